@@ -1,0 +1,156 @@
+"""Worker level: a P hold service and a D pull loop in one process, real Mooncake engines over TCP on 127.0.0.1,
+real ZMQ side channel, real CPU tensors in vLLM's CPU KV layout."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.lifecycle.consumer import Outcome, PullPlan
+from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
+from vllm_kvp2p.pull_loop import PullLoop
+from vllm_kvp2p.transfer.engine import MooncakeEngine
+from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, planes_of_layers
+
+from tests.support.ports import free_port
+
+NUM_LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
+P_BLOCKS, D_BLOCKS = 40, 33  # ranks and instances may differ in block count
+
+
+def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn": torch.randn(num_blocks, HEADS, BLOCK, 2 * HEAD, generator=g)
+        for i in range(NUM_LAYERS)
+    }
+
+
+def _planes(kv: dict[str, torch.Tensor], num_blocks: int):
+    layers = [(n, [TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())]) for n, t in kv.items()]
+    return planes_of_layers(layers, num_blocks), coalesce_regions([v for _, vs in layers for v in vs])
+
+
+class Pair:
+    def __init__(self, hold_timeout: float = 30.0, lease_timeout: float = 30.0) -> None:
+        self.p_kv, self.d_kv = _kv(P_BLOCKS, 1), _kv(D_BLOCKS, 2)
+        p_planes, p_regions = _planes(self.p_kv, P_BLOCKS)
+        d_planes, d_regions = _planes(self.d_kv, D_BLOCKS)
+        self.p_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
+        self.p_engine.register(p_regions)
+        self.d_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
+        self.d_engine.register(d_regions)
+        self.port = free_port()
+        self.engine_id = "p-" + uuid.uuid4().hex[:6]
+        reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, list(self.p_kv), BLOCK,
+                               P_BLOCKS, "float32", HEADS, HEAD)
+        self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=hold_timeout, lease_timeout=lease_timeout)
+        self.pulls = PullLoop(self.d_engine, reader="d:0", tp_size=1, tp_rank=0, local_planes=d_planes,
+                              block_size=BLOCK, side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4)
+
+    def plan(self, request_id: str, remote_ids: list[int], local_ids: list[int], hold_id: str = "h1",
+             awaiting: bool = True) -> PullPlan:
+        remote = RemotePrefill(self.engine_id, request_id, "127.0.0.1", self.port, remote_ids, hold_id,
+                               len(remote_ids) * BLOCK, BLOCK)
+        return PullPlan("d-" + request_id, remote, tuple(local_ids), tuple(remote_ids), awaiting)
+
+    def wait_result(self, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            results = self.pulls.take_results()
+            if results:
+                return results[0].result
+            time.sleep(0.01)
+        raise TimeoutError("no pull result")
+
+    def wait_freed(self, timeout: float = 5.0) -> set[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            freed = self.holds.take_freed()
+            if freed:
+                return freed
+            time.sleep(0.01)
+        return set()
+
+    def close(self) -> None:
+        self.pulls.close()
+        self.holds.close()
+        self.d_engine.close()
+        self.p_engine.close()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_pull_copies_exactly_the_planned_blocks(pair: Pair) -> None:
+    remote_ids = [7, 8, 9, 21, 3]  # runs merge where both sides are consecutive
+    local_ids = [0, 1, 2, 10, 30]
+    before = {n: t.clone() for n, t in pair.d_kv.items()}
+    pair.holds.hold("req-a", "h1")
+    pair.pulls.submit(pair.plan("req-a", remote_ids, local_ids))
+    result = pair.wait_result()
+    assert result.outcome is Outcome.PULLED, result.reason
+    assert result.num_blocks == 5
+    assert result.num_bytes == 5 * NUM_LAYERS * HEADS * BLOCK * 2 * HEAD * 4
+    for name in pair.d_kv:
+        assert torch.equal(pair.d_kv[name][local_ids], pair.p_kv[name][remote_ids])
+        untouched = [b for b in range(D_BLOCKS) if b not in local_ids]
+        assert torch.equal(pair.d_kv[name][untouched], before[name][untouched])
+    assert pair.wait_freed() == {"req-a"}
+
+
+def test_claim_for_unknown_or_stale_hold_is_refused_and_p_freed(pair: Pair) -> None:
+    pair.holds.hold("req-b", "real-hold")
+    pair.pulls.submit(pair.plan("req-b", [1], [4], hold_id="replayed-hold"))
+    result = pair.wait_result()
+    assert result.outcome is Outcome.FAILED and "refused" in result.reason
+    assert result.report_finished and result.report_failed
+
+
+def test_p_learns_of_hold_late_then_pull_succeeds(pair: Pair) -> None:
+    pair.pulls.submit(pair.plan("req-c", [5, 6], [11, 12]))
+    time.sleep(0.2)  # D is already claiming; P has not heard of the hold
+    pair.holds.hold("req-c", "h1")
+    result = pair.wait_result()
+    assert result.outcome is Outcome.PULLED, result.reason
+    assert pair.wait_freed() == {"req-c"}
+
+
+def test_nothing_to_pull_still_releases_p_and_is_not_reported(pair: Pair) -> None:
+    pair.holds.hold("req-d", "h1")
+    pair.pulls.submit(pair.plan("req-d", [], [], awaiting=False))
+    result = pair.wait_result()
+    assert result.outcome is Outcome.NOTHING_TO_PULL
+    assert not result.report_finished
+    assert pair.wait_freed() == {"req-d"}
+
+
+def test_dead_p_fails_fast() -> None:
+    d_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
+    kv = _kv(4, 3)
+    planes, regions = _planes(kv, 4)
+    d_engine.register(regions)
+    loop = PullLoop(d_engine, reader="d:0", tp_size=1, tp_rank=0, local_planes=planes, block_size=BLOCK,
+                    side_channel_timeout=0.5, claim_wait=0.5, max_batch_entries=8)
+    try:
+        remote = RemotePrefill("gone", "r", "127.0.0.1", free_port(), [0], "h", BLOCK, BLOCK)
+        t0 = time.monotonic()
+        loop.submit(PullPlan("d-r", remote, (1,), (0,), True))
+        deadline = time.monotonic() + 10
+        results = []
+        while not results and time.monotonic() < deadline:
+            results = loop.take_results()
+            time.sleep(0.01)
+        assert results and results[0].result.outcome is Outcome.FAILED
+        assert time.monotonic() - t0 < 5
+    finally:
+        loop.close()
+        d_engine.close()

@@ -1,0 +1,30 @@
+"""vllm_kvp2p: a Mooncake peer-to-peer KV-transfer connector for vLLM (prefill/decode disaggregation).
+
+Installing the package registers :func:`register` as a ``vllm.general_plugins`` entry point, so vLLM calls it in
+every process it starts. It only records where the connector class lives; nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__version__ = "0.1.0"
+
+CONNECTOR_NAME = "MooncakeP2PConnector"
+CONNECTOR_MODULE = "vllm_kvp2p.connector"
+CONNECTOR_CLASS = "MooncakeP2PConnector"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """vLLM general plugin: make ``kv_connector="MooncakeP2PConnector"`` resolvable. Idempotent."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    if CONNECTOR_NAME in registry:
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    except ValueError:  # registered concurrently by another loader of this plugin
+        logger.debug("%s already registered", CONNECTOR_NAME)

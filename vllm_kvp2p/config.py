@@ -1,0 +1,171 @@
+"""Every operator setting of the connector, in one place.
+
+Settings come from ``kv_connector_extra_config`` (keys below, lowercase) and from environment variables
+``VLLM_KVP2P_<KEY>`` (uppercase). The extra config wins over the environment, so one ``vllm serve`` command line
+states the whole truth. Values are validated once at start-up; a bad one raises :class:`ConfigError` naming the
+setting, the bad value and what is allowed. The defaults work on a single machine with no settings at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV_PREFIX = "VLLM_KVP2P_"
+
+PROTOCOLS = ("tcp", "rdma", "ascend")
+PLATFORMS = ("auto", "cpu", "npu")
+
+
+class ConfigError(ValueError):
+    """A setting has a value the connector cannot run with."""
+
+
+@dataclass(frozen=True)
+class KVP2PConfig:
+    """Validated connector settings (seconds for every duration)."""
+
+    # Which platform adapter to use; "auto" picks NPU when torch_npu is importable, else CPU.
+    platform: str = "auto"
+    # Mooncake transport; empty means the platform's default (tcp on CPU, ascend on NPU).
+    protocol: str = ""
+    # Mooncake device name (e.g. an RDMA NIC, or empty to let Mooncake choose).
+    device_name: str = ""
+    # Address this instance advertises to its peers for the side channel and the Mooncake segment.
+    host: str = "127.0.0.1"
+    # Side-channel port of (dp 0, tp 0); rank r of DP rank d listens on base + d * tp_size + r.
+    # Kept below Mooncake's own random RPC range [15000, 17000].
+    side_channel_port: int = 14600
+    # P keeps a finished prompt's blocks this long for D to claim them, then frees them.
+    hold_timeout: float = 120.0
+    # A D claim keeps P's blocks pinned this long unless renewed; D renews at a third of it.
+    lease_timeout: float = 60.0
+    # Upper bound of one Mooncake read (Mooncake's MC_TRANSFER_TIMEOUT, at least 5 s).
+    transfer_timeout: float = 30.0
+    # Upper bound of one side-channel round trip (handshake, claim, release).
+    side_channel_timeout: float = 5.0
+    # How long D keeps retrying a claim P has not heard of yet (P learns of a hold one engine step late).
+    claim_wait: float = 10.0
+    # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
+    max_batch_entries: int = 1024
+    # Test-only: D overwrites the blocks it pulled with noise, to prove the output checks can fail.
+    test_corrupt_pull: bool = False
+
+    @classmethod
+    def from_sources(
+        cls, extra_config: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> KVP2PConfig:
+        extra = dict(extra_config or {})
+        env = os.environ if env is None else env
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; allowed keys: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            env_name = ENV_PREFIX + f.name.upper()
+            if f.name in extra:
+                raw, where = extra[f.name], f"kv_connector_extra_config[{f.name!r}]"
+            elif env_name in env:
+                raw, where = env[env_name], env_name
+            else:
+                continue
+            values[f.name] = _PARSERS[f.name](raw, where)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        _choice(self.platform, PLATFORMS, "platform")
+        if self.protocol:
+            _choice(self.protocol, PROTOCOLS, "protocol")
+        if not self.host:
+            raise ConfigError("host must be a non-empty address peers can reach (e.g. 127.0.0.1 or this node's IP)")
+        if not 1024 <= self.side_channel_port <= 65000:
+            raise ConfigError(f"side_channel_port={self.side_channel_port}: allowed values are 1024..65000")
+        if 15000 <= self.side_channel_port <= 17000:
+            raise ConfigError(
+                f"side_channel_port={self.side_channel_port} lies in Mooncake's random RPC port range "
+                "15000..17000; allowed values are 1024..14999 or 17001..65000"
+            )
+        for name in ("hold_timeout", "lease_timeout", "side_channel_timeout", "claim_wait"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name}={value}: allowed values are numbers of seconds > 0")
+        if self.transfer_timeout < 5:
+            raise ConfigError(
+                f"transfer_timeout={self.transfer_timeout}: allowed values are >= 5 seconds (Mooncake's minimum)"
+            )
+        if not 1 <= self.max_batch_entries <= 1024:
+            raise ConfigError(
+                f"max_batch_entries={self.max_batch_entries}: allowed values are 1..1024 "
+                "(Mooncake's TCP transport rejects more than ~2048 entries in flight per peer)"
+            )
+
+    def side_channel_port_for(self, dp_rank: int, tp_size: int, tp_rank: int) -> int:
+        """Port of one worker's side channel; distinct for every (DP rank, TP rank) of one instance."""
+        return self.side_channel_port + dp_rank * tp_size + tp_rank
+
+
+def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r}: allowed values are {', '.join(allowed)}")
+
+
+def _as_str(raw: Any, where: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(f"{where}={raw!r}: expected a string")
+    return raw.strip()
+
+
+def _as_lower_str(raw: Any, where: str) -> str:
+    return _as_str(raw, where).lower()
+
+
+def _as_int(raw: Any, where: str) -> int:
+    try:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={raw!r}: expected an integer") from None
+
+
+def _as_float(raw: Any, where: str) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={raw!r}: expected a number of seconds") from None
+
+
+def _as_bool(raw: Any, where: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{where}={raw!r}: allowed values are true/false (or 1/0)")
+
+
+_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "platform": _as_lower_str,
+    "protocol": _as_lower_str,
+    "device_name": _as_str,
+    "host": _as_str,
+    "side_channel_port": _as_int,
+    "hold_timeout": _as_float,
+    "lease_timeout": _as_float,
+    "transfer_timeout": _as_float,
+    "side_channel_timeout": _as_float,
+    "claim_wait": _as_float,
+    "max_batch_entries": _as_int,
+    "test_corrupt_pull": _as_bool,
+}

@@ -1,0 +1,115 @@
+"""The class vLLM instantiates: ``MooncakeP2PConnector``. It only forwards, by role, to the scheduler half
+(:mod:`vllm_kvp2p.scheduler`) or the worker half (:mod:`vllm_kvp2p.worker`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.platform import get_platform
+from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide
+from vllm_kvp2p.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class MooncakeP2PConnector(KVConnectorBase_V1):
+    """Mooncake peer-to-peer KV connector: D pulls a prompt's KV straight out of P's memory."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_config = vllm_config.kv_transfer_config
+        assert kv_config is not None and kv_config.engine_id is not None
+        self.config = KVP2PConfig.from_sources(kv_config.kv_connector_extra_config)
+        self.engine_id: str = kv_config.engine_id
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config)
+        else:
+            platform = get_platform(self.config.platform)
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.engine_id, self.config, platform)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVP2PMetadata)
+        self.worker_side.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # whole-prompt pulls complete before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # P never pushes: D pulls from P's memory
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker_side is not None
+        sending, recving, failed = self.worker_side.get_transfer_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker_side is not None
+        return self.worker_side.build_worker_meta()
+
+    def get_mem_pool_context(self) -> Any:
+        return self.worker_side.platform.mem_pool_context() if self.worker_side is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()

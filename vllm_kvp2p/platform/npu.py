@@ -1,0 +1,24 @@
+"""Ascend NPU (910B): KV cache in device HBM, Mooncake's ``ascend`` transport (ADXL/HIXL).
+
+Not runnable on these CI machines (no NPU); kept import-safe so the package imports anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvp2p.platform.base import KVPlatform
+
+
+class NpuPlatform(KVPlatform):
+    name = "npu"
+    default_protocol = "ascend"
+
+    def memory_location(self, tensor: Any) -> str:
+        return f"npu:{tensor.device.index}"
+
+    def synchronize(self) -> None:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        torch.npu.synchronize()

@@ -1,0 +1,194 @@
+"""D side at run time: the background thread that carries out pull plans, off the model's forward path.
+
+For each plan it drives a :class:`~vllm_kvp2p.lifecycle.consumer.ConsumerPull` (which decides everything) by
+performing its actions: side-channel requests, Mooncake reads, waits. One thread: a Mooncake wait spins a core,
+and these machines have two.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vllm_kvp2p.lifecycle.consumer import (
+    ConsumerPull,
+    FetchRegistration,
+    Finish,
+    PullPlan,
+    PullResult,
+    ReadBatch,
+    SendClaim,
+    SendRelease,
+    SendRenew,
+    Source,
+    Wait,
+)
+from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration
+from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
+from vllm_kvp2p.tp_mapping import UnsupportedLayout, read_sources
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TimedResult:
+    result: PullResult
+    seconds: float  # from the plan reaching the thread to P's release being sent
+
+
+class PullLoop:
+    """Runs pull plans one by one on a daemon thread; results are collected with :meth:`take_results`."""
+
+    def __init__(
+        self,
+        engine: MooncakeEngine,
+        *,
+        reader: str,
+        tp_size: int,
+        tp_rank: int,
+        local_planes: Sequence[PlaneGeometry],
+        block_size: int,
+        side_channel_timeout: float,
+        claim_wait: float,
+        max_batch_entries: int,
+        after_pull: Callable[[PullResult], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.reader = reader
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.local_planes = list(local_planes)
+        self.block_size = block_size
+        self.side_channel_timeout = side_channel_timeout
+        self.claim_wait = claim_wait
+        self.max_batch_entries = max_batch_entries
+        self.after_pull = after_pull
+        # Registration of each remote (engine, rank), fetched once; dropped when a read from it fails.
+        self._registrations: dict[tuple[str, int], RankRegistration] = {}
+        self._plans: queue.Queue[PullPlan | None] = queue.Queue()
+        self._results: list[TimedResult] = []
+        self._results_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"kvp2p-pull:{tp_rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, plan: PullPlan) -> None:
+        self._plans.put(plan)
+
+    def take_results(self) -> list[TimedResult]:
+        with self._results_lock:
+            results, self._results = self._results, []
+        return results
+
+    def close(self) -> None:
+        self._plans.put(None)
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        client = SideChannelClient(self.side_channel_timeout)
+        try:
+            while True:
+                plan = self._plans.get()
+                if plan is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    result = self._drive(plan, client)
+                except Exception as exc:  # never lose a plan: vLLM would wait for it forever
+                    logger.exception("pull of %s crashed", plan.request_id)
+                    result = _crash_result(plan, exc)
+                with self._results_lock:
+                    self._results.append(TimedResult(result, time.perf_counter() - t0))
+        finally:
+            client.close()
+
+    def _drive(self, plan: PullPlan, client: SideChannelClient) -> PullResult:
+        try:
+            sources = read_sources(plan.remote.tp_size, self.tp_size, self.tp_rank)
+        except UnsupportedLayout as exc:
+            plan = PullPlan(plan.request_id, plan.remote, plan.local_block_ids, plan.remote_block_ids,
+                            plan.awaiting, error=str(exc))
+            sources = tuple(Source(p) for p in range(min(plan.remote.tp_size, 1)))
+        job = ConsumerPull(
+            plan, sources, self.reader, self.local_planes, self.block_size,
+            claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
+        )
+        host, base_port = plan.remote.remote_host, plan.remote.remote_port
+        for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until claim_wait
+            action = job.next_action(time.monotonic())
+            if isinstance(action, Finish):
+                self._finished(action.result)
+                return action.result
+            if isinstance(action, Wait):
+                time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
+            elif isinstance(action, FetchRegistration):
+                reg, err = self._registration(client, plan.remote.remote_engine_id, host, base_port, action.source)
+                job.on_registration(action.source, reg, err)
+            elif isinstance(action, SendClaim):
+                reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+                job.on_claim_reply(action.source, reply, time.monotonic(), err)
+            elif isinstance(action, SendRenew):
+                reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+                job.on_renewed(action.source, reply, time.monotonic(), err)
+            elif isinstance(action, ReadBatch):
+                try:
+                    self.engine.read(action.segment, action.descriptors)
+                    job.on_batch_done(action.source, True)
+                except TransferEngineError as exc:
+                    self._registrations.pop((plan.remote.remote_engine_id, action.source.p_rank), None)
+                    job.on_batch_done(action.source, False, str(exc))
+            elif isinstance(action, SendRelease):
+                try:
+                    client.request(host, base_port + action.source.p_rank, action.message)
+                except SideChannelError as exc:
+                    # P is gone or unreachable: its hold timeout frees the blocks. Nothing else to do.
+                    logger.warning("release of %s to P rank %d not delivered: %s",
+                                   plan.request_id, action.source.p_rank, exc)
+                job.on_release_sent(action.source)
+        raise RuntimeError(f"pull of {plan.request_id} did not finish")
+
+    def _registration(
+        self, client: SideChannelClient, engine_id: str, host: str, base_port: int, source: Source
+    ) -> tuple[RankRegistration | None, str]:
+        key = (engine_id, source.p_rank)
+        cached = self._registrations.get(key)
+        if cached is not None:
+            return cached, ""
+        try:
+            reply = client.request(host, base_port + source.p_rank, GetRegistration(source.p_rank))
+        except SideChannelError as exc:
+            return None, str(exc)
+        if not isinstance(reply, Registration):
+            return None, f"unexpected reply {type(reply).__name__}"
+        self._registrations[key] = reply.registration
+        return reply.registration, ""
+
+    @staticmethod
+    def _ask(client: SideChannelClient, host: str, port: int, message) -> tuple[ClaimReply | None, str]:
+        try:
+            reply = client.request(host, port, message)
+        except SideChannelError as exc:
+            return None, str(exc)
+        if not isinstance(reply, ClaimReply):
+            return None, f"unexpected reply {type(reply).__name__}"
+        return reply, ""
+
+    def _finished(self, result: PullResult) -> None:
+        if result.reason:
+            logger.warning("pull of %s failed: %s", result.request_id, result.reason)
+        elif result.num_blocks and self.after_pull is not None:
+            self.after_pull(result)
+
+
+def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:
+    from vllm_kvp2p.lifecycle.consumer import Outcome
+
+    outcome = Outcome.FAILED if plan.awaiting else Outcome.NOTHING_TO_PULL
+    return PullResult(plan.request_id, outcome, plan.awaiting, plan.local_block_ids, reason=f"internal error: {exc}")

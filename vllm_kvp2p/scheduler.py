@@ -1,0 +1,183 @@
+"""Scheduler-side adapter: vLLM's scheduler calls <-> the D-side :class:`ConsumerSchedule` and P-side holds.
+
+Runs in vLLM's EngineCore process. It owns no transfer state of its own: P-side it turns a finished prefill
+into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission calls to the pure
+:class:`~vllm_kvp2p.lifecycle.consumer.ConsumerSchedule`, and each step it ships both to the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.protocol import RemotePrefill
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Key of D's own transfer report in the kv_transfer_params it returns with a finished request.
+PULL_REPORT_KEY = "kvp2p_pull"
+
+
+@dataclass(frozen=True)
+class HoldOrder:
+    """P scheduler -> P workers: keep these blocks for a decoder."""
+
+    request_id: str
+    hold_id: str
+
+
+@dataclass
+class KVP2PMetadata(KVConnectorMetadata):
+    """What one scheduler step tells the workers."""
+
+    holds: list[HoldOrder] = field(default_factory=list)
+    pulls: list[PullPlan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PullReport:
+    """One D rank's account of one finished pull (worker -> scheduler, summed over ranks)."""
+
+    ok: bool
+    blocks: int
+    bytes: int
+    descriptors: int
+    seconds: float
+    reason: str = ""
+
+    def merge(self, other: PullReport) -> PullReport:
+        return PullReport(
+            self.ok and other.ok,
+            max(self.blocks, other.blocks),  # every rank fills the same logical blocks
+            self.bytes + other.bytes,
+            self.descriptors + other.descriptors,
+            max(self.seconds, other.seconds),
+            self.reason or other.reason,
+        )
+
+
+@dataclass
+class KVP2PWorkerMetadata(KVConnectorWorkerMetadata):
+    reports: dict[str, PullReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVP2PWorkerMetadata)
+        merged = dict(self.reports)
+        for req_id, report in other.reports.items():
+            merged[req_id] = merged[req_id].merge(report) if req_id in merged else report
+        return KVP2PWorkerMetadata(merged)
+
+
+class SchedulerSide:
+    """The connector's scheduler half."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, config: KVP2PConfig) -> None:
+        kv_config = vllm_config.kv_transfer_config
+        parallel = vllm_config.parallel_config
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = parallel.tensor_parallel_size
+        self.is_producer = bool(kv_config.is_kv_producer)
+        self.is_consumer = bool(kv_config.is_kv_consumer)
+        self.side_channel_port = config.side_channel_port_for(parallel.data_parallel_rank, self.tp_size, 0)
+        self.consumer = ConsumerSchedule(self.block_size)
+        self._holds: list[HoldOrder] = []
+        self._reports: dict[str, PullReport] = {}
+
+    # ------------------------------------------------------------------ D: admission
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_consumer:
+            return 0, False
+        return self.consumer.matched_tokens(
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if not self.is_consumer:
+            return
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        unhashed = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        # vLLM sets num_computed_tokens = local hit + external only after this call returns.
+        num_local_computed = request.num_computed_tokens
+        plan = self.consumer.on_alloc(
+            request.request_id, params, num_external_tokens, unhashed, num_local_computed
+        )
+        if plan is not None:
+            logger.debug(
+                "planned pull of %s: %d blocks (%s) from %s",
+                request.request_id, plan.num_blocks, "awaiting" if plan.awaiting else "release only",
+                plan.remote.remote_engine_id,
+            )
+
+    # ------------------------------------------------------------------ both: request end
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            self.consumer.on_finished(request.request_id, params)
+            report = self._reports.pop(request.request_id, None)
+            return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed prefill: nothing for a decoder, free now
+        if not block_ids:
+            return False, None
+        hold_id = uuid.uuid4().hex
+        self._holds.append(HoldOrder(request.request_id, hold_id))
+        remote = RemotePrefill(
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.config.host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=list(block_ids),
+            remote_hold_id=hold_id,
+            remote_num_tokens=request.num_computed_tokens,
+            remote_block_size=self.block_size,
+            tp_size=self.tp_size,
+        )
+        return True, remote.to_params()
+
+    # ------------------------------------------------------------------ per step
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVP2PMetadata:
+        holds, self._holds = self._holds, []
+        return KVP2PMetadata(holds=holds, pulls=self.consumer.take_plans())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVP2PWorkerMetadata):
+            # Keep reports only for requests still alive; an aborted one's pull may end after it finished.
+            self._reports.update((k, v) for k, v in meta.reports.items() if self.consumer.is_planned(k))
+
+
+def _report_dict(report: PullReport) -> dict[str, Any]:
+    return {
+        "ok": report.ok,
+        "blocks": report.blocks,
+        "bytes": report.bytes,
+        "descriptors": report.descriptors,
+        "seconds": round(report.seconds, 6),
+        **({"reason": report.reason} if report.reason else {}),
+    }

@@ -1,0 +1,92 @@
+"""KV-cache tensors -> block planes, from each tensor's real shape and strides (never an assumed layout).
+
+vLLM hands ``register_kv_caches`` one entry per layer: a tensor, or a tuple/list of tensors (NPU keeps K and V
+apart). A tensor's *block dimension* is the one whose size is the engine's ``num_blocks``; every index of the
+dimensions before it (e.g. a leading K/V axis of 2) is a separate plane, and the dimensions after it must be
+dense, because one block of one plane is moved as one run of bytes.
+
+Examples (shapes): CPU ``(num_blocks, kv_heads, block_size, head_k + head_v)`` -> 1 plane per layer;
+CUDA flash-attn ``(2, num_blocks, block_size, kv_heads, head)`` -> 2 planes; NPU ``(k, v)`` tuples of
+``(num_blocks, block_size, kv_heads, head)`` -> 2 planes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+from math import prod
+
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """The facts about one tensor the layout needs (kept free of torch so it can be tested directly)."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements, as torch reports them
+    element_size: int
+
+    @property
+    def nbytes_span(self) -> int:
+        """Bytes from the first to one past the last element (what must be registered)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return (sum((n - 1) * st for n, st in zip(self.shape, self.strides)) + 1) * self.element_size
+
+
+class LayoutError(ValueError):
+    """A KV tensor's layout cannot be addressed block by block."""
+
+
+def planes_of(view: TensorView, num_blocks: int, name: str = "") -> list[PlaneGeometry]:
+    """The planes of one KV tensor; raises :class:`LayoutError` if the block dimension is ambiguous or the
+    per-block bytes are not contiguous."""
+    candidates = [d for d, n in enumerate(view.shape) if n == num_blocks]
+    if not candidates:
+        raise LayoutError(f"{name}: no dimension of shape {view.shape} has num_blocks={num_blocks}")
+    block_dim = candidates[0]
+    inner_shape = view.shape[block_dim + 1 :]
+    inner_strides = view.strides[block_dim + 1 :]
+    expected = 1
+    for n, st in reversed(list(zip(inner_shape, inner_strides))):
+        if n != 1 and st != expected:
+            raise LayoutError(
+                f"{name}: per-block data of shape {view.shape} strides {view.strides} is not contiguous "
+                f"(dimension of size {n} has stride {st}, expected {expected})"
+            )
+        expected *= n
+    block_bytes = prod(inner_shape) * view.element_size
+    block_stride = view.strides[block_dim] * view.element_size
+    planes = []
+    outer = [range(n) for n in view.shape[:block_dim]]
+    for index in product(*outer):
+        offset = sum(i * st for i, st in zip(index, view.strides)) * view.element_size
+        planes.append(PlaneGeometry(view.data_ptr + offset, block_stride, block_bytes, num_blocks))
+    return planes
+
+
+def planes_of_layers(
+    layers: Sequence[tuple[str, Sequence[TensorView]]], num_blocks: int
+) -> list[PlaneGeometry]:
+    """All planes of all layers, in the given layer order, then tensor order, then outer-index order."""
+    out: list[PlaneGeometry] = []
+    for name, views in layers:
+        for i, view in enumerate(views):
+            out.extend(planes_of(view, num_blocks, f"{name}[{i}]"))
+    return out
+
+
+def coalesce_regions(views: Sequence[TensorView]) -> list[tuple[int, int]]:
+    """(address, length) memory regions to register: each tensor's span, with touching or overlapping spans
+    merged, so a model of many layers allocated back to back is registered as few regions as possible."""
+    spans = sorted((v.data_ptr, v.data_ptr + v.nbytes_span) for v in views if v.nbytes_span)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e - s) for s, e in merged]

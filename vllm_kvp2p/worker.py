@@ -1,0 +1,188 @@
+"""Worker-side adapter: KV memory registration, and the glue between vLLM's per-step worker calls and the
+P-side :class:`HoldService` / D-side :class:`PullLoop`.
+
+Runs in every vLLM worker process. It translates torch tensors into plain geometry once (at registration) and
+never touches torch on the request path, except for the test-only corruption hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.lifecycle.consumer import PullResult
+from vllm_kvp2p.platform import KVPlatform
+from vllm_kvp2p.protocol import RankRegistration
+from vllm_kvp2p.pull_loop import PullLoop
+from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.transfer.engine import MooncakeEngine
+from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, planes_of_layers
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _tensors_of(entry: Any) -> list[torch.Tensor]:
+    return list(entry) if isinstance(entry, (tuple, list)) else [entry]
+
+
+def _view(t: torch.Tensor) -> TensorView:
+    return TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+
+
+class WorkerSide:
+    """The connector's worker half (one per TP rank)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        engine_id: str,
+        config: KVP2PConfig,
+        platform: KVPlatform,
+    ) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        kv_config = vllm_config.kv_transfer_config
+        parallel = vllm_config.parallel_config
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = engine_id
+        self.config = config
+        self.platform = platform
+        self.tp_size = parallel.tensor_parallel_size
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.dp_rank = parallel.data_parallel_rank
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = bool(kv_config.is_kv_producer)
+        self.is_consumer = bool(kv_config.is_kv_consumer)
+        self.engine: MooncakeEngine | None = None
+        self.hold_service: HoldService | None = None
+        self.pull_loop: PullLoop | None = None
+        self._kv_caches: dict[str, Any] = {}
+        self._reports: dict[str, PullReport] = {}
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ start-up
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        config = self.config
+        self._kv_caches = kv_caches
+        layers = [(name, [_view(t) for t in _tensors_of(entry)]) for name, entry in kv_caches.items()]
+        num_blocks = self.kv_cache_config.num_blocks
+        planes = planes_of_layers(layers, num_blocks)
+        views = [v for _, vs in layers for v in vs]
+        regions = coalesce_regions(views)
+        first = _tensors_of(next(iter(kv_caches.values())))[0]
+
+        protocol = config.protocol or self.platform.default_protocol
+        self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
+        self.engine.register(regions, self.platform.memory_location(first))
+        logger.info(
+            "rank %d: %d layers, %d KV planes of %d blocks, registered as %d region(s) (per-tensor path)",
+            self.tp_rank, len(layers), len(planes), num_blocks, len(regions),
+        )
+
+        model = self.vllm_config.model_config
+        registration = RankRegistration(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            segment=self.engine.segment,
+            planes=planes,
+            layer_names=list(kv_caches),
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            dtype=str(first.dtype).removeprefix("torch."),
+            num_kv_heads=model.get_num_kv_heads(self.vllm_config.parallel_config),
+            head_size=model.get_head_size(),
+        )
+        if self.is_producer:
+            port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
+            self.hold_service = HoldService(
+                registration, config.host, port,
+                hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout,
+            )
+        if self.is_consumer:
+            self.pull_loop = PullLoop(
+                self.engine,
+                reader=f"{self.engine_id}:{self.tp_rank}",
+                tp_size=self.tp_size,
+                tp_rank=self.tp_rank,
+                local_planes=planes,
+                block_size=self.block_size,
+                side_channel_timeout=config.side_channel_timeout,
+                claim_wait=config.claim_wait,
+                max_batch_entries=config.max_batch_entries,
+                after_pull=self._corrupt if config.test_corrupt_pull else None,
+            )
+
+    # ------------------------------------------------------------------ per step
+
+    def start_load_kv(self, metadata: KVP2PMetadata) -> None:
+        if self.hold_service is not None:
+            for order in metadata.holds:
+                self.hold_service.hold(order.request_id, order.hold_id)
+        if self.pull_loop is not None:
+            for plan in metadata.pulls:
+                self.pull_loop.submit(plan)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        sending = self.hold_service.take_freed() if self.hold_service is not None else set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.pull_loop is not None:
+            for timed in self.pull_loop.take_results():
+                r = timed.result
+                if not r.report_finished:
+                    continue
+                recving.add(r.request_id)
+                if r.report_failed:
+                    failed.add(r.request_id)
+                self._reports[r.request_id] = PullReport(
+                    not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason
+                )
+        return sending, recving, failed
+
+    def build_worker_meta(self) -> KVP2PWorkerMetadata | None:
+        if not self._reports:
+            return None
+        reports, self._reports = self._reports, {}
+        return KVP2PWorkerMetadata(reports)
+
+    # ------------------------------------------------------------------ test hook
+
+    def _corrupt(self, result: PullResult) -> None:
+        """Overwrite freshly pulled blocks with noise (``test_corrupt_pull``): proves output checks can fail."""
+        import torch
+
+        ids = torch.tensor(list(result.local_block_ids), dtype=torch.long)
+        num_blocks = self.kv_cache_config.num_blocks
+        for entry in self._kv_caches.values():
+            for t in _tensors_of(entry):
+                dim = list(t.shape).index(num_blocks)
+                noise = torch.randn(t.index_select(dim, ids).shape, dtype=torch.float32).to(t.dtype)
+                t.index_copy_(dim, ids, noise * 4)
+        logger.warning("TEST HOOK: corrupted %d pulled blocks of %s", len(ids), result.request_id)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        for closer in _closers(self.pull_loop, self.hold_service, self.engine):
+            try:
+                closer()
+            except Exception:  # shutdown must finish whatever one part does
+                logger.exception("error while shutting down the KV connector worker")
+        self.pull_loop = self.hold_service = self.engine = None
+
+
+def _closers(*parts: Any) -> Iterable[Any]:
+    return [p.close for p in parts if p is not None]

@@ -6,7 +6,8 @@ every process it starts. It only records where the connector class lives; nothin
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 
 __version__ = "0.1.0"
 
@@ -14,7 +15,7 @@ CONNECTOR_NAME = "MooncakeP2PConnector"
 CONNECTOR_MODULE = "vllm_kvp2p.connector"
 CONNECTOR_CLASS = "MooncakeP2PConnector"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def register() -> None:

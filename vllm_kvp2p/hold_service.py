@@ -6,7 +6,8 @@ from the side channel, the passing of time) and logs what it reports.
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from vllm_kvp2p.protocol import (
 )
 from vllm_kvp2p.side_channel import SideChannelServer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class HoldService:

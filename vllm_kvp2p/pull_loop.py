@@ -7,7 +7,8 @@ and these machines have two.
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ from vllm_kvp2p.tp_mapping import UnsupportedLayout, read_sources
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)

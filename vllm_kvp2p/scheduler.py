@@ -7,7 +7,8 @@ into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Key of D's own transfer report in the kv_transfer_params it returns with a finished request.
 PULL_REPORT_KEY = "kvp2p_pull"

@@ -7,7 +7,8 @@ a reply cannot be reused).
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 import threading
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ import zmq
 from vllm_kvp2p import protocol
 from vllm_kvp2p.protocol import ErrorReply, Reply, Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SideChannelError(RuntimeError):

@@ -7,7 +7,8 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _tensors_of(entry: Any) -> list[torch.Tensor]:
@@ -68,12 +69,10 @@ class WorkerSide:
         self.pull_loop: PullLoop | None = None
         self._kv_caches: dict[str, Any] = {}
         self._reports: dict[str, PullReport] = {}
-        self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ start-up
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        config = self.config
         self._kv_caches = kv_caches
         layers = [(name, [_view(t) for t in _tensors_of(entry)]) for name, entry in kv_caches.items()]
         num_blocks = self.kv_cache_config.num_blocks
@@ -82,12 +81,18 @@ class WorkerSide:
         regions = coalesce_regions(views)
         first = _tensors_of(next(iter(kv_caches.values())))[0]
 
+        with self.platform.service_threads():
+            self._start_services(kv_caches, planes, regions, num_blocks, first)
+
+    def _start_services(self, kv_caches: dict[str, Any], planes: list, regions: list, num_blocks: int,
+                        first: torch.Tensor) -> None:
+        config = self.config
         protocol = config.protocol or self.platform.default_protocol
         self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
         self.engine.register(regions, self.platform.memory_location(first))
         logger.info(
             "rank %d: %d layers, %d KV planes of %d blocks, registered as %d region(s) (per-tensor path)",
-            self.tp_rank, len(layers), len(planes), num_blocks, len(regions),
+            self.tp_rank, len(kv_caches), len(planes), num_blocks, len(regions),
         )
 
         model = self.vllm_config.model_config

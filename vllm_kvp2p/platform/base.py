@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 
@@ -25,3 +25,8 @@ class KVPlatform(ABC):
         """Allocator scope inside which vLLM allocates the KV cache (a single registrable arena), or None to let
         vLLM allocate as usual and register tensor by tensor."""
         return None
+
+    def service_threads(self) -> AbstractContextManager[None]:
+        """Scope in which the connector starts its own threads (side channel, pull loop, Mooncake's workers),
+        so they can be placed apart from the model's compute threads."""
+        return nullcontext()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm_kvp2p.platform.base import KVPlatform
@@ -17,3 +20,24 @@ class CpuPlatform(KVPlatform):
     def synchronize(self) -> None:
         # Host memory written by the forward pass is visible once the step returns.
         return None
+
+    @contextmanager
+    def service_threads(self) -> Iterator[None]:
+        """vLLM's CPU worker pins its process to the compute cores (``VLLM_CPU_OMP_THREADS_BIND``, by default one
+        core per worker, the others reserved). Threads inherit their creator's affinity, so Mooncake's transfer
+        threads, which busy-poll, would share that one core with the forward pass and with each other, and a peer
+        on the same core could not answer for seconds. Threads created in this scope may run on every core this
+        process tree was given."""
+        own = os.sched_getaffinity(0)
+        try:
+            wide = own | os.sched_getaffinity(os.getppid())
+        except OSError:
+            wide = own
+        if wide == own:
+            yield
+            return
+        os.sched_setaffinity(0, wide)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, own)

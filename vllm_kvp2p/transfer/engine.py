@@ -10,7 +10,8 @@ Facts about the engine this adapter exists to contain (measured with the 0.3.13.
 
 from __future__ import annotations
 
-import logging
+
+from vllm_kvp2p.log import get_logger
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from vllm_kvp2p.transfer.descriptors import Descriptors
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class TransferEngineError(RuntimeError):

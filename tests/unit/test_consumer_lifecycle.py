@@ -1,0 +1,203 @@
+"""D-side lifecycle: plans made exactly once, and a pull driven through every outcome. Pure, no I/O."""
+
+from __future__ import annotations
+
+from vllm_kvp2p.lifecycle.consumer import (
+    ConsumerPull,
+    ConsumerSchedule,
+    FetchRegistration,
+    Finish,
+    Outcome,
+    PullPlan,
+    ReadBatch,
+    SendClaim,
+    SendRelease,
+    SendRenew,
+    Source,
+    Wait,
+)
+from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+
+BS = 16
+
+
+def params(n_blocks: int = 4, num_tokens: int = 60) -> dict:
+    return RemotePrefill("P", "p-req", "127.0.0.1", 9000, list(range(10, 10 + n_blocks)), "hold", num_tokens,
+                         BS).to_params()
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_matched_tokens_is_pure_and_counts_beyond_local_hit() -> None:
+    s = ConsumerSchedule(BS)
+    for _ in range(3):
+        assert s.matched_tokens("d1", params(), 60, 16) == (44, True)
+    assert s.take_plans() == []
+
+
+def test_full_local_hit_plans_a_release_only() -> None:
+    s = ConsumerSchedule(BS)
+    assert s.matched_tokens("d1", params(), 60, 60) == (0, False)
+    plan = s.on_alloc("d1", params(), 0, [], 60)
+    assert plan is not None and not plan.awaiting and plan.local_block_ids == ()
+    assert s.take_plans() == [plan]
+
+
+def test_partial_hit_pulls_only_missing_blocks() -> None:
+    s = ConsumerSchedule(BS)
+    plan = s.on_alloc("d1", params(), 28, [7, 8], 32)  # 2 of 4 blocks cached locally
+    assert plan is not None and plan.awaiting
+    assert plan.local_block_ids == (7, 8) and plan.remote_block_ids == (12, 13)
+
+
+def test_plan_is_made_once_whatever_the_call_order() -> None:
+    s = ConsumerSchedule(BS)
+    first = s.on_alloc("d1", params(), 60, [1, 2, 3, 4], 0)
+    assert s.on_alloc("d1", params(), 0, [5], 60) is None  # vLLM's second call after promotion
+    assert s.matched_tokens("d1", params(), 60, 0) == (0, False)  # preempted: recompute locally
+    assert s.on_finished("d1", params()) is None  # P is released by the pull itself
+    assert s.take_plans() == [first]
+
+
+def test_rejected_request_releases_p_at_finish() -> None:
+    s = ConsumerSchedule(BS)
+    plan = s.on_finished("d1", params())
+    assert plan is not None and not plan.awaiting and plan.local_block_ids == ()
+
+
+def test_non_p2p_requests_are_ignored() -> None:
+    s = ConsumerSchedule(BS)
+    assert s.matched_tokens("d1", None, 60, 0) == (0, False)
+    assert s.on_alloc("d1", {"do_remote_prefill": True}, 10, [1], 0) is None  # malformed params
+    assert s.on_finished("d2", {"do_remote_decode": True}) is None
+
+
+def test_block_size_mismatch_fails_the_plan_not_the_engine() -> None:
+    s = ConsumerSchedule(32)
+    plan = s.on_alloc("d1", params(), 60, [1, 2], 0)
+    assert plan is not None and plan.awaiting and "block size" in plan.error
+
+
+# ----------------------------------------------------------------------------- pull
+
+
+def planes(base: int, n: int = 2) -> list[PlaneGeometry]:
+    return [PlaneGeometry(base + i * 1_000_000, 512, 512, 100) for i in range(n)]
+
+
+def registration(engine: str = "P", n_planes: int = 2) -> RankRegistration:
+    return RankRegistration(engine, 0, 1, "127.0.0.1:15000", planes(1 << 30, n_planes), ["l0", "l1"], BS, 100,
+                            "float32", 2, 64)
+
+
+def pull(plan: PullPlan, **kw) -> ConsumerPull:
+    return ConsumerPull(plan, [Source(0)], "d:0", planes(1 << 20), BS, claim_wait=1.0,
+                        max_batch_entries=kw.get("max_batch_entries", 1024), now=0.0)
+
+
+def awaiting_plan() -> PullPlan:
+    return PullPlan("d1", RemotePrefill.from_params(params()), (3, 4, 9), (10, 11, 12), awaiting=True)
+
+
+def test_happy_path_sequence() -> None:
+    job = pull(awaiting_plan(), max_batch_entries=2)
+    assert isinstance(job.next_action(0), FetchRegistration)
+    job.on_registration(Source(0), registration())
+    claim = job.next_action(0)
+    assert isinstance(claim, SendClaim) and claim.message.hold_id == "hold"
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
+    reads = []
+    while isinstance(action := job.next_action(1), ReadBatch):
+        reads.append(action)
+        job.on_batch_done(action.source, True)
+    # 2 planes x runs (3,4)->(10,11) merged and 9->12: 4 entries, in batches of 2
+    assert [len(r.descriptors) for r in reads] == [2, 2]
+    assert isinstance(action, SendRelease) and action.message.pulled
+    job.on_release_sent(action.source)
+    fin = job.next_action(1)
+    assert isinstance(fin, Finish)
+    r = fin.result
+    assert r.outcome is Outcome.PULLED and r.report_finished and not r.report_failed
+    assert r.num_blocks == 3 and r.num_bytes == 3 * 512 * 2
+
+
+def test_unknown_claim_is_retried_then_refused_after_claim_wait() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(Source(0), registration())
+    job.next_action(0)
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.UNKNOWN), now=0.1)
+    assert isinstance(job.next_action(0.11), Wait)
+    assert isinstance(job.next_action(0.2), SendClaim)
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.UNKNOWN), now=1.5)  # past claim_wait
+    rel = job.next_action(1.5)
+    assert isinstance(rel, SendRelease) and not rel.message.pulled
+    job.on_release_sent(rel.source)
+    r = job.next_action(1.5).result
+    assert r.outcome is Outcome.FAILED and r.report_finished and r.report_failed
+
+
+def test_refused_claim_fails_and_still_releases() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(Source(0), registration())
+    job.next_action(0)
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.REFUSED, reason="blocks already expired"), now=0)
+    assert isinstance(job.next_action(0), SendRelease)
+
+
+def test_lease_is_renewed_during_long_reads() -> None:
+    job = pull(awaiting_plan(), max_batch_entries=1)
+    job.next_action(0)
+    job.on_registration(Source(0), registration())
+    job.next_action(0)
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=3), now=0)  # renew at t=1
+    action = job.next_action(0.5)
+    assert isinstance(action, ReadBatch)
+    job.on_batch_done(action.source, True)
+    renew = job.next_action(1.2)
+    assert isinstance(renew, SendRenew)
+    job.on_renewed(renew.source, ClaimReply(ClaimStatus.GRANTED, lease=3), now=1.2)
+    assert isinstance(job.next_action(1.3), ReadBatch)
+
+
+def test_failed_read_fails_and_releases() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(Source(0), registration())
+    job.next_action(0)
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
+    read = job.next_action(0)
+    job.on_batch_done(read.source, False, "rc -1")
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease)
+    job.on_release_sent(rel.source)
+    assert "rc -1" in job.next_action(0).result.reason
+
+
+def test_incompatible_registration_fails_with_both_values() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(Source(0), registration(n_planes=3))
+    rel = job.next_action(0)
+    job.on_release_sent(rel.source)
+    reason = job.next_action(0).result.reason
+    assert "P has 3" in reason and "D has 2" in reason
+
+
+def test_nothing_to_pull_only_releases_and_is_never_reported() -> None:
+    plan = PullPlan("d1", RemotePrefill.from_params(params()), (), (), awaiting=False)
+    job = pull(plan)
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease) and not rel.message.pulled
+    job.on_release_sent(rel.source)
+    r = job.next_action(0).result
+    assert r.outcome is Outcome.NOTHING_TO_PULL and not r.report_finished and not r.report_failed
+
+
+def test_stale_results_are_ignored() -> None:
+    job = pull(awaiting_plan())
+    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)  # not claiming yet
+    assert isinstance(job.next_action(0), FetchRegistration)

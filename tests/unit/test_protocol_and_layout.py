@@ -1,0 +1,69 @@
+"""Typed messages round-trip; block geometry comes from real shapes and strides."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvp2p import protocol
+from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, GetRegistration, Release, RemotePrefill
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.layout import LayoutError, TensorView, coalesce_regions, planes_of
+
+
+@pytest.mark.parametrize("msg", [GetRegistration(1), Claim("r", "h", "d:0", 2), Release("r", "h", "d:0", 1, True)])
+def test_requests_round_trip(msg) -> None:
+    assert protocol.decode_request(protocol.encode(msg)) == msg
+
+
+def test_reply_round_trip_and_no_pickle() -> None:
+    reply = ClaimReply(ClaimStatus.GRANTED, 3.0)
+    data = protocol.encode(reply)
+    assert protocol.decode_reply(data) == reply
+    import msgspec
+
+    with pytest.raises(msgspec.DecodeError):
+        protocol.decode_request(b"\x80\x04K\x01.")  # a pickle is not a message
+
+
+def test_transfer_params_round_trip_and_reject_garbage() -> None:
+    rp = RemotePrefill("e", "r", "h", 1, [1, 2], "hold", 40, 16, tp_size=2)
+    params = rp.to_params()
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == "r"
+    params["remote_prefill_cached_tokens"] = 0  # vLLM adds keys of its own
+    assert RemotePrefill.from_params(params) == rp
+    assert RemotePrefill.from_params({"do_remote_prefill": True}) is None
+
+
+def test_cpu_layout_one_plane_per_layer() -> None:
+    # (num_blocks, kv_heads, block_size, head_k + head_v), float32
+    view = TensorView(1000, (10, 2, 16, 128), (4096, 2048, 128, 1), 4)
+    assert planes_of(view, 10) == [PlaneGeometry(1000, 16384, 16384, 10)]
+
+
+def test_leading_kv_axis_gives_two_planes() -> None:
+    view = TensorView(0, (2, 10, 16, 4, 8), (10 * 512, 512, 32, 8, 1), 2)
+    assert planes_of(view, 10) == [PlaneGeometry(0, 1024, 1024, 10), PlaneGeometry(10240, 1024, 1024, 10)]
+
+
+def test_padded_blocks_are_not_dense_but_addressable() -> None:
+    view = TensorView(0, (10, 4, 8), (64, 8, 1), 2)  # 32 elements used of a 64-element block stride
+    (plane,) = planes_of(view, 10)
+    assert plane.block_stride == 128 and plane.block_bytes == 64 and not plane.dense
+
+
+def test_non_contiguous_block_is_refused() -> None:
+    view = TensorView(0, (10, 4, 8), (32, 1, 4), 2)  # transposed inner dims
+    with pytest.raises(LayoutError, match="not contiguous"):
+        planes_of(view, 10)
+
+
+def test_missing_block_dim_is_refused() -> None:
+    with pytest.raises(LayoutError, match="num_blocks=7"):
+        planes_of(TensorView(0, (10, 4), (4, 1), 2), 7)
+
+
+def test_coalesce_merges_touching_regions_only() -> None:
+    a = TensorView(0, (10, 4), (4, 1), 2)  # bytes [0, 80)
+    b = TensorView(80, (10, 4), (4, 1), 2)  # touches a
+    c = TensorView(1000, (10, 4), (4, 1), 2)
+    assert coalesce_regions([c, a, b]) == [(0, 160), (1000, 80)]

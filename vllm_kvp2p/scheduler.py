@@ -115,8 +115,10 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         unhashed = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        # vLLM sets num_computed_tokens = local hit + external only after this call returns.
-        num_local_computed = request.num_computed_tokens
+        # The local prefix-cache hit is the run of already-hashed blocks at the start; request.num_computed_tokens
+        # cannot tell it (vLLM updates it only after this call).
+        (group,) = blocks.blocks
+        num_local_computed = sum(1 for b in group if b.block_hash is not None and not b.is_null) * self.block_size
         plan = self.consumer.on_alloc(
             request.request_id, params, num_external_tokens, unhashed, num_local_computed
         )

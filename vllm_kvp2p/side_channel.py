@@ -87,15 +87,33 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Blocking request/reply to P workers, one cached REQ socket per endpoint. Not thread-safe: one per thread."""
+    """Blocking request/reply to P workers, one cached REQ socket per endpoint. Not thread-safe: one per thread.
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout_ms = max(1, int(timeout * 1000))
+    Every request is idempotent (a repeated claim refreshes the same lease, a repeated release is ignored), so a
+    request that gets no answer is sent again on a fresh socket, up to ``attempts`` times within ``timeout``: a
+    message stuck on a dead connection then costs a fraction of the budget instead of the whole transfer.
+    """
+
+    def __init__(self, timeout: float, attempts: int = 3) -> None:
+        self.attempts = max(1, attempts)
+        self.timeout_ms = max(100, int(timeout * 1000 / self.attempts))
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
 
     def request(self, host: str, port: int, message: Request) -> Reply:
         endpoint = f"tcp://{host}:{port}"
+        error: Exception | None = None
+        for _ in range(self.attempts):
+            try:
+                return self._once(endpoint, message)
+            except zmq.ZMQError as exc:
+                self._drop(endpoint)
+                error = exc
+        raise SideChannelError(
+            f"no answer from {endpoint} in {self.attempts} attempts of {self.timeout_ms} ms: {error}"
+        ) from error
+
+    def _once(self, endpoint: str, message: Request) -> Reply:
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.REQ)
@@ -103,12 +121,8 @@ class SideChannelClient:
                 sock.setsockopt(opt, value)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
-        try:
-            sock.send(protocol.encode(message))
-            data = sock.recv()
-        except zmq.ZMQError as exc:
-            self._drop(endpoint)
-            raise SideChannelError(f"no answer from {endpoint} within {self.timeout_ms} ms: {exc}") from exc
+        sock.send(protocol.encode(message))
+        data = sock.recv()
         try:
             reply = protocol.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -1,0 +1,664 @@
+"""The P/D proxy, run for real (uvicorn on 127.0.0.1) against stub OpenAI-style upstreams.
+
+The stubs record what they receive and can be told to fail in the ways real instances fail (down, 5xx, 4xx,
+missing kv_transfer_params, hanging, dying mid-stream), which real vLLM cannot be made to do on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, LeastOutstandingBalancer, PDProxy, create_app
+from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
+
+# Generous per-test caps: the bounds that matter are asserted inside the tests; these only stop a hang.
+pytestmark = pytest.mark.timeout(30)
+
+CLIENT_TIMEOUT = httpx.Timeout(10.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Harness: uvicorn servers in threads, on sockets bound before start (no free-port race).
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ServerThread:
+    """One uvicorn server for ``app`` on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="critical", lifespan="on", timeout_graceful_shutdown=1, loop="asyncio")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 15.0
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5.0)
+        self.sock.close()
+
+
+def closed_port_url() -> str:
+    """A 127.0.0.1 url nobody listens on: connecting is refused at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stub upstream (plays either P or D).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def sse_events(name: str, n: int = 3) -> list[bytes]:
+    """What a stub streams: ``n`` OpenAI-ish SSE events then ``[DONE]``."""
+    events = [
+        f"data: {json.dumps({'id': 'cmpl-x', 'choices': [{'index': 0, 'text': f'{name}-tok{i} '}]})}\n\n".encode()
+        for i in range(n)
+    ]
+    return [*events, b"data: [DONE]\n\n"]
+
+
+def stub_json_bytes(name: str, body: dict[str, Any], role: str) -> bytes:
+    """What a stub answers without streaming; oddly formatted on purpose so re-serialising would show."""
+    if role == "P":
+        kv: dict[str, Any] | None = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{name}",
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_host": "127.0.0.1",
+            "remote_port": 17777,
+        }
+    else:
+        kv = {"kvp2p_stats": {"decoded_by": name, "bytes": 4096}}
+    payload = {
+        "id": "cmpl-stub",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": f"{name} answer", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": body.get("max_tokens")},
+        "kv_transfer_params": kv,
+    }
+    return json.dumps(payload, indent=1, sort_keys=False).encode()
+
+
+@dataclass
+class Stub:
+    """Behaviour knobs and a record of received requests for one upstream."""
+
+    name: str
+    role: str  # "P" or "D"
+    mode: str = "ok"
+    delay_s: float = 0.0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    server: ServerThread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def reset(self) -> None:
+        self.mode = "ok"
+        self.delay_s = 0.0
+        self.received.clear()
+
+
+def make_stub_app(stub: Stub) -> FastAPI:
+    """An OpenAI-style server whose answers and failures are driven by ``stub``."""
+    app = FastAPI()
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        stub.received.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        if stub.delay_s:
+            await asyncio.sleep(stub.delay_s)
+        mode = stub.mode
+        if mode == "500":
+            return JSONResponse({"error": {"message": "engine dead", "type": "InternalServerError"}}, 500)
+        if mode == "400":
+            return JSONResponse(
+                {"error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}}, 400
+            )
+        if mode == "hang":
+            await asyncio.sleep(4.0)
+        if mode == "no_kv":
+            return JSONResponse({"id": "x", "choices": [{"text": "!"}], "kv_transfer_params": None})
+        if body.get("stream"):
+            if mode == "die_mid_stream":
+
+                async def dying() -> AsyncIterator[bytes]:
+                    for ev in sse_events(stub.name)[:2]:
+                        yield ev
+                        await asyncio.sleep(0.05)
+                    raise RuntimeError("decode engine crashed")
+
+                return StreamingResponse(dying(), media_type="text/event-stream")
+            if mode == "stall_mid_stream":
+
+                async def stalling() -> AsyncIterator[bytes]:
+                    yield sse_events(stub.name)[0]
+                    await asyncio.sleep(4.0)
+                    yield sse_events(stub.name)[1]
+
+                return StreamingResponse(stalling(), media_type="text/event-stream")
+            if mode == "slow_stream":
+
+                async def slow() -> AsyncIterator[bytes]:
+                    for ev in sse_events(stub.name, n=100):
+                        yield ev
+                        await asyncio.sleep(0.05)
+
+                return StreamingResponse(slow(), media_type="text/event-stream")
+
+            async def fast() -> AsyncIterator[bytes]:
+                for ev in sse_events(stub.name):
+                    yield ev
+                    await asyncio.sleep(0.01)
+
+            return StreamingResponse(fast(), media_type="text/event-stream")
+        return Response(stub_json_bytes(stub.name, body, stub.role), media_type="application/json")
+
+    app.post("/v1/completions")(generate)
+    app.post("/v1/chat/completions")(generate)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": f"model-{stub.name}", "object": "model"}]})
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def stubs() -> Iterator[dict[str, Stub]]:
+    """Two prefill and two decode stubs, shared by the module (reset before each test)."""
+    all_stubs = {n: Stub(n, n[0]) for n in ("P0", "P1", "D0", "D1")}
+    for s in all_stubs.values():
+        s.server = ServerThread(make_stub_app(s)).start()
+    yield all_stubs
+    for s in all_stubs.values():
+        assert s.server is not None
+        s.server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset_stubs(request: pytest.FixtureRequest) -> None:
+    if "stubs" in request.fixturenames:
+        for s in request.getfixturevalue("stubs").values():
+            s.reset()
+
+
+@pytest.fixture
+def make_proxy() -> Iterator[Callable[..., str]]:
+    """``make_proxy(prefill_urls, decode_urls, timeout_s=...) -> proxy url``; stopped after the test."""
+    started: list[ServerThread] = []
+
+    def start(prefill: list[str], decode: list[str], **kwargs: Any) -> str:
+        kwargs.setdefault("timeout_s", 5.0)
+        kwargs.setdefault("connect_timeout_s", 2.0)
+        srv = ServerThread(create_app(prefill, decode, **kwargs)).start()
+        started.append(srv)
+        return srv.url
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+def one_pd(stubs: dict[str, Stub], make_proxy: Callable[..., str], **kwargs: Any) -> str:
+    return make_proxy([stubs["P0"].url], [stubs["D0"].url], **kwargs)
+
+
+COMPLETION = {
+    "model": "m",
+    "prompt": "hello there",
+    "max_tokens": 17,
+    "min_tokens": 3,
+    "temperature": 0.0,
+}
+
+
+def assert_openai_error(resp: httpx.Response, status: int, *needles: str) -> str:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    assert err["code"] == status
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+    return str(err["message"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pure parts.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_balancer_ties_round_robin() -> None:
+    b = LeastOutstandingBalancer(["a", "b", "c"])
+    picks = []
+    for _ in range(6):
+        u = b.acquire()
+        picks.append(u)
+        b.release(u)
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_balancer_least_outstanding() -> None:
+    b = LeastOutstandingBalancer(["a", "b"])
+    assert b.acquire() == "a"
+    assert b.acquire() == "b"
+    assert b.acquire() == "a"  # tie 1/1 -> round robin
+    # a=2, b=1; make a idle: least outstanding beats the round-robin cursor.
+    b.release("a")
+    b.release("a")
+    assert b.outstanding("a") == 0
+    assert b.acquire() == "a"  # a=0 < b=1 wins although the round-robin cursor points at b
+    assert [e["outstanding"] for e in b.snapshot()] == [1, 1]
+    assert [e["served"] for e in b.snapshot()] == [3, 1]
+
+
+def test_balancer_release_paths() -> None:
+    b = LeastOutstandingBalancer(["a"])
+    with pytest.raises(RuntimeError), b.lease() as u:
+        assert b.outstanding(u) == 1
+        raise RuntimeError("boom")
+    assert b.outstanding("a") == 0
+    b.release("a")  # extra release cannot go negative
+    assert b.outstanding("a") == 0
+    with pytest.raises(ValueError):
+        LeastOutstandingBalancer([])
+    with pytest.raises(ValueError):
+        LeastOutstandingBalancer(["a", "a"])
+
+
+def test_prefill_body() -> None:
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "min_completion_tokens": 2}
+    p = PDProxy.prefill_body(body, chat=False)
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert not {"stream_options", "min_tokens", "min_completion_tokens"} & set(p)
+    assert "max_completion_tokens" not in p
+    assert p["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    assert body["max_tokens"] == 17 and body["stream"] is True  # original untouched
+    chat = PDProxy.prefill_body({"messages": [], "max_completion_tokens": 50}, chat=True)
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
+
+
+def test_cli_parsing() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "--prefill",
+            "http://p0:1",
+            "--prefill",
+            "p1:2",
+            "--decoder-hosts",
+            "d",
+            "--decoder-ports",
+            "3",
+            "4",
+            "--timeout",
+            "7",
+            "--port",
+            "9000",
+        ]
+    )
+    prefill, decode = resolve_instances(args, parser)
+    assert prefill == ["http://p0:1", "p1:2"]
+    assert decode == ["http://d:3", "http://d:4"]
+    assert args.timeout == 7.0 and args.port == 9000 and args.host == "127.0.0.1"
+    toy = parser.parse_args(
+        ["--prefiller-hosts", "a", "b", "--prefiller-ports", "1", "2", "--decoder-host", "::1", "--decoder-port", "5"]
+    )
+    assert resolve_instances(toy, parser) == (["http://a:1", "http://b:2"], ["http://[::1]:5"])
+    for bad in (
+        ["--decode", "d:1"],
+        ["--prefill", "p:1"],
+        ["--prefill", "p:1", "--decoder-hosts", "a", "b", "c", "--decoder-ports", "1", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            resolve_instances(parser.parse_args(bad), parser)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end through uvicorn.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_completions_non_stream(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    r = httpx.post(
+        url + "/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer k"}, timeout=CLIENT_TIMEOUT
+    )
+    assert r.status_code == 200, r.text
+    (p_req,) = stubs["P0"].received
+    (d_req,) = stubs["D0"].received
+    pb, db = p_req["body"], d_req["body"]
+    # P: one token, not streamed, do_remote_decode, min_tokens dropped.
+    assert pb["max_tokens"] == 1 and pb["stream"] is False and "min_tokens" not in pb
+    assert pb["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    # D: the original request plus exactly P's returned params.
+    p_kv = json.loads(stub_json_bytes("P0", pb, "P"))["kv_transfer_params"]
+    assert db == {**COMPLETION, "kv_transfer_params": p_kv}
+    # Same request id on both, Authorization forwarded.
+    rid = p_req["headers"]["x-request-id"]
+    assert rid and d_req["headers"]["x-request-id"] == rid and r.headers["x-request-id"] == rid
+    assert p_req["headers"]["authorization"] == d_req["headers"]["authorization"] == "Bearer k"
+    # Body byte for byte (D's kv_transfer_params stats kept).
+    assert r.content == stub_json_bytes("D0", db, "D")
+    assert r.json()["kv_transfer_params"] == {"kvp2p_stats": {"decoded_by": "D0", "bytes": 4096}}
+    assert r.headers["x-kvp2p-prefill-instance"] == stubs["P0"].url
+    assert r.headers["x-kvp2p-decode-instance"] == stubs["D0"].url
+
+
+def test_completions_stream_passthrough(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT, headers={"X-Request-Id": "client-rid-1"}
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        got = b"".join(r.iter_bytes())
+    assert got == b"".join(sse_events("D0"))
+    pb = stubs["P0"].received[0]["body"]
+    assert pb["stream"] is False and "stream_options" not in pb and pb["max_tokens"] == 1
+    d_req = stubs["D0"].received[0]
+    assert d_req["body"]["stream"] is True and d_req["body"]["stream_options"] == {"include_usage": True}
+    assert d_req["body"]["max_tokens"] == 17
+    assert d_req["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-P0"
+    assert stubs["P0"].received[0]["headers"]["x-request-id"] == "client-rid-1"
+    assert d_req["headers"]["x-request-id"] == "client-rid-1"
+
+
+def test_chat_completions(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 40, "min_tokens": 2}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200, r.text
+    p_req, d_req = stubs["P0"].received[0], stubs["D0"].received[0]
+    assert p_req["path"] == d_req["path"] == "/v1/chat/completions"
+    assert p_req["body"]["max_completion_tokens"] == 1 and p_req["body"]["max_tokens"] == 1
+    assert "min_tokens" not in p_req["body"]
+    assert d_req["body"]["max_completion_tokens"] == 40 and d_req["body"]["min_tokens"] == 2
+    assert "max_tokens" not in d_req["body"]
+    # Streamed chat too.
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=CLIENT_TIMEOUT) as s:
+        assert b"".join(s.iter_bytes()) == b"".join(sse_events("D0"))
+
+
+def test_concurrent_requests_spread_over_instances(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = make_proxy([stubs["P0"].url, stubs["P1"].url], [stubs["D0"].url, stubs["D1"].url])
+    for s in stubs.values():
+        s.delay_s = 0.3  # keep requests outstanding so concurrent ones see each other's load
+    results: list[int] = []
+
+    def one() -> None:
+        results.append(httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results == [200] * 4
+    counts = [len(stubs[n].received) for n in ("P0", "P1", "D0", "D1")]
+    assert counts[0] + counts[1] == 4 and counts[2] + counts[3] == 4
+    assert all(c >= 1 for c in counts), counts  # exactly 2/2 unless the box is very loaded
+    health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+    assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0, 0]
+    assert [e["served"] for e in health["prefill"] + health["decode"]] == counts
+
+
+def test_least_outstanding_beats_round_robin(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    """While D0 is busy with a stream, new requests all go to idle D1 (round robin would alternate)."""
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url, stubs["D1"].url])
+    stubs["D0"].mode = "slow_stream"
+    stream_body = {**COMPLETION, "stream": True}
+    with (
+        httpx.Client(timeout=CLIENT_TIMEOUT) as client,
+        client.stream("POST", url + "/v1/completions", json=stream_body) as r,
+    ):
+        chunks = r.iter_bytes()  # keep a reference: a collected iterator closes the response
+        assert next(chunks).startswith(b"data: ")
+        assert r.headers["x-kvp2p-decode-instance"] == stubs["D0"].url
+        for _ in range(3):
+            resp = client.post(url + "/v1/completions", json=COMPLETION)
+            assert resp.headers["x-kvp2p-decode-instance"] == stubs["D1"].url
+    assert len(stubs["D0"].received) == 1 and len(stubs["D1"].received) == 3
+
+
+def test_prefill_down_is_502_fast(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    dead = closed_port_url()
+    url = make_proxy([dead], [stubs["D0"].url])
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert time.monotonic() - t0 < 3.0
+    assert_openai_error(r, 502, "prefill", dead)
+    assert stubs["D0"].received == []
+    health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+    assert health["prefill"][0]["outstanding"] == 0
+
+
+def test_prefill_500_is_502(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    stubs["P0"].mode = "500"
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 502, "prefill", stubs["P0"].url, "500", "engine dead")
+    assert stubs["D0"].received == []
+
+
+def test_prefill_without_kv_params_is_502(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    stubs["P0"].mode = "no_kv"
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 502, "kv_transfer_params", "kv_producer", stubs["P0"].url)
+    assert stubs["D0"].received == []
+
+
+def test_prefill_400_passes_through(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    stubs["P0"].mode = "400"
+    for stream in (False, True):
+        r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=CLIENT_TIMEOUT)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "prompt too long"
+    assert stubs["D0"].received == []
+
+
+def test_decode_errors(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    for stream in (False, True):
+        stubs["D0"].mode = "500"
+        r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=CLIENT_TIMEOUT)
+        assert_openai_error(r, 502, "decode", stubs["D0"].url, "500")
+        stubs["D0"].mode = "400"
+        r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=CLIENT_TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
+    dead = closed_port_url()
+    url2 = make_proxy([stubs["P0"].url], [dead])
+    r = httpx.post(url2 + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 502, "decode", dead)
+    health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+    assert health["decode"][0]["outstanding"] == 0
+
+
+def test_decode_hang_is_504_within_timeout(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy, timeout_s=0.5)
+    stubs["D0"].mode = "hang"
+    for stream in (False, True):
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=CLIENT_TIMEOUT)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 3.0, elapsed
+        assert_openai_error(r, 504, "decode", stubs["D0"].url, "timed out")
+    # Silence within a stream is bounded too: the stream ends with a timeout error event.
+    stubs["D0"].mode = "stall_mid_stream"
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=CLIENT_TIMEOUT)
+    assert time.monotonic() - t0 < 3.0
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert events[0] == sse_events("D0")[0].rstrip(b"\n") and len(events) == 2
+    err = json.loads(events[1][len(b"data: ") :])["error"]
+    assert err["code"] == 504 and "timed out" in err["message"]
+    health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+    assert health["decode"][0]["outstanding"] == 0
+
+
+def test_decode_dies_mid_stream(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    stubs["D0"].mode = "die_mid_stream"
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=CLIENT_TIMEOUT
+    ) as r:
+        assert r.status_code == 200
+        got = b"".join(r.iter_bytes())
+    events = [e for e in got.split(b"\n\n") if e]
+    assert events[:2] == [e.rstrip(b"\n") for e in sse_events("D0")[:2]]
+    assert len(events) == 3
+    assert events[2].startswith(b"data: ")
+    err = json.loads(events[2][len(b"data: ") :])["error"]
+    assert "decode" in err["message"] and stubs["D0"].url in err["message"]
+    assert err["code"] == 502
+    health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+    assert health["decode"][0]["outstanding"] == 0
+
+
+def test_client_disconnect_releases_decode_slot(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    stubs["D0"].mode = "slow_stream"  # ~5 s of events: the client leaves long before the end
+    stream_body = {**COMPLETION, "stream": True}
+    with (
+        httpx.Client(timeout=CLIENT_TIMEOUT) as client,
+        client.stream("POST", url + "/v1/completions", json=stream_body) as r,
+    ):
+        chunks = r.iter_bytes()  # keep a reference: a collected iterator closes the response
+        assert next(chunks).startswith(b"data: ")
+        health = client.get(url + "/health").json()
+        assert health["decode"][0]["outstanding"] == 1, health
+    deadline = time.monotonic() + 10.0
+    while True:
+        health = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).json()
+        if health["decode"][0]["outstanding"] == 0:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+
+
+def test_health_and_models(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = make_proxy([stubs["P0"].url, stubs["P1"].url], [stubs["D0"].url])
+    h = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT)
+    assert h.status_code == 200
+    body = h.json()
+    assert body["status"] == "ok"
+    assert [e["url"] for e in body["prefill"]] == [stubs["P0"].url, stubs["P1"].url]
+    assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "served": 0}]
+    probed = httpx.get(url + "/health", params={"probe": "true"}, timeout=CLIENT_TIMEOUT).json()
+    assert all(e["healthy"] for e in probed["prefill"] + probed["decode"])
+    m = httpx.get(url + "/v1/models", timeout=CLIENT_TIMEOUT)
+    assert m.status_code == 200 and m.json()["data"][0]["id"] == "model-D0"
+    # A role with no live instance -> 503 when probing, with the error per instance.
+    dead = closed_port_url()
+    url2 = make_proxy([dead], [stubs["D0"].url])
+    h2 = httpx.get(url2 + "/health", params={"probe": "true"}, timeout=CLIENT_TIMEOUT)
+    assert h2.status_code == 503
+    assert h2.json()["prefill"][0]["healthy"] is False and "ConnectError" in h2.json()["prefill"][0]["error"]
+    assert httpx.get(url2 + "/health", timeout=CLIENT_TIMEOUT).status_code == 200  # no probe: just counts
+
+
+def test_bad_request_body(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 400, "not valid JSON")
+    r = httpx.post(url + "/v1/completions", json=[1, 2], timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 400, "JSON object")
+    assert stubs["P0"].received == []
+
+
+@pytest.mark.timeout(45)
+def test_console_script_serves_and_imports_light(stubs: dict[str, Stub]) -> None:
+    """The ``vllm-kvp2p-proxy`` entry point serves end to end, in a process that never imported vllm or torch."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys\n"
+        "import vllm_kvp2p.proxy\n"
+        "from vllm_kvp2p.proxy.cli import main\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]\n"
+        "if bad: sys.exit(f'heavy imports: {bad}')\n"
+        "main(sys.argv[1:])\n"
+    )
+    p_host, p_port = stubs["P0"].url.removeprefix("http://").split(":")
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--prefiller-hosts",
+        p_host,
+        "--prefiller-ports",
+        p_port,
+        "--decode",
+        stubs["D1"].url,
+        "--timeout",
+        "5",
+    ]
+    repo_root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+            assert time.monotonic() < deadline, "proxy did not come up"
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "D1 answer"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)

@@ -1,0 +1,519 @@
+"""FastAPI proxy for disaggregated prefill (P) / decode (D) with the kvp2p connector.
+
+Per request: a prefill instance computes the prompt's KV cache (``max_tokens=1``, ``do_remote_decode``) and
+answers with ``kv_transfer_params`` telling where those blocks live; a decode instance then gets the original
+request plus those params, pulls the blocks over Mooncake, and generates the answer, which the proxy relays
+unchanged (SSE bytes as they arrive, or D's JSON with D's status).
+
+Modelled on vLLM's NIXL ``toy_proxy_server.py``, with what that one lacks for production: one shared pooled
+client, least-outstanding balancing, bounded time everywhere, upstream failures mapped to OpenAI-shaped 502/504
+errors naming the instance (4xx passed through), mid-stream failures ending the SSE stream with an error event,
+and outstanding counts released on every path, client disconnects included.
+
+Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-only box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from vllm_kvp2p.proxy.balancer import LeastOutstandingBalancer
+
+logger = logging.getLogger("vllm_kvp2p.proxy")
+
+#: ``kv_transfer_params`` sent to the prefill instance: "compute the KV and keep it for a remote decoder".
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Fields that make no sense (or break) a 1-token, non-streaming prefill request.
+_DROP_FOR_PREFILL: tuple[str, ...] = ("stream_options", "min_tokens", "min_completion_tokens")
+# Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
+_FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
+# How much of an upstream error body goes into our error message.
+_ERROR_BODY_SNIPPET = 500
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` so paths can be appended verbatim."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("empty instance url")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
+    """OpenAI-shaped error (as vLLM sends it), so OpenAI clients surface ``message`` to the user."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
+class ProxyError(Exception):
+    """A failure that becomes exactly one HTTP answer to the client."""
+
+    def __init__(self, status: int, message: str, err_type: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+    def to_response(self, request_id: str | None = None) -> JSONResponse:
+        """The OpenAI-shaped JSON error response."""
+        headers = {"X-Request-Id": request_id} if request_id else None
+        return JSONResponse(error_body(self.message, self.err_type, self.status), self.status, headers=headers)
+
+
+class PassThrough(Exception):
+    """An upstream 4xx: the client's fault (e.g. prompt too long), so its answer goes back unchanged."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(f"upstream answered {response.status_code}")
+        self.response = response
+
+
+def _passthrough_response(resp: httpx.Response, headers: dict[str, str] | None = None) -> Response:
+    """Copy an upstream (fully read) answer: body bytes, status and content type."""
+    return Response(
+        content=resp.content,
+        status_code=resp.status_code,
+        media_type=resp.headers.get("content-type"),
+        headers=headers,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """``ConnectError: [Errno 111] Connection refused`` - httpx messages can be empty, keep the class name."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _upstream_failure(role: str, url: str, exc: BaseException, timeout_s: float) -> ProxyError:
+    """Map a transport failure on ``url`` to a 504 (timed out) or 502 (anything else)."""
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
+        return ProxyError(
+            504,
+            f"{role} instance {url} timed out (limit {timeout_s:g}s): {_describe(exc)}",
+            "upstream_timeout",
+        )
+    return ProxyError(502, f"{role} instance {url} unreachable: {_describe(exc)}", "upstream_unavailable")
+
+
+def _check_status(role: str, url: str, resp: httpx.Response, extra_headers: dict[str, str]) -> None:
+    """4xx -> pass through; 5xx and other non-2xx -> 502 naming the instance; 2xx -> nothing."""
+    status = resp.status_code
+    if 200 <= status < 300:
+        return
+    if 400 <= status < 500:
+        raise PassThrough(_passthrough_response(resp, extra_headers))
+    snippet = resp.text[:_ERROR_BODY_SNIPPET]
+    raise ProxyError(502, f"{role} instance {url} failed with HTTP {status}: {snippet}", "upstream_error")
+
+
+class _RelayStreamingResponse(StreamingResponse):
+    """StreamingResponse that always runs ``on_close`` and closes the upstream stream when it ends.
+
+    The relay generator's own ``finally`` is not enough: if the client disconnects before the generator starts,
+    or while it is suspended at a ``yield``, it is never resumed, so the decode slot would leak.
+    """
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        upstream: httpx.Response,
+        on_close: Callable[[], None],
+        status_code: int,
+        media_type: str | None,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type, headers=headers)
+        self._upstream = upstream
+        self._on_close = on_close
+        self._content = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._content, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._upstream.aclose()
+
+
+class PDProxy:
+    """State shared by all requests: the balancers, the HTTP client and the limits."""
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        health_probe_timeout_s: float,
+        max_connections: int | None,
+    ) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        self.prefill = LeastOutstandingBalancer([normalize_url(u) for u in prefill_urls])
+        self.decode = LeastOutstandingBalancer([normalize_url(u) for u in decode_urls])
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.health_probe_timeout_s = health_probe_timeout_s
+        self.max_connections = max_connections
+        self._client: httpx.AsyncClient | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the one pooled client (per event loop, hence here and not in ``__init__``)."""
+        self._client = httpx.AsyncClient(
+            # read/write apply per chunk: bounds a stalled stream without capping a long healthy one.
+            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+            limits=httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=100),
+            # P/D traffic is cluster-internal: never route it through an HTTP(S)_PROXY from the environment.
+            trust_env=False,
+        )
+
+    async def stop(self) -> None:
+        """Close pooled connections on shutdown."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The shared client; only valid while the app is running (inside its lifespan)."""
+        if self._client is None:
+            raise RuntimeError("proxy client used outside the app lifespan")
+        return self._client
+
+    # -- request flow ----------------------------------------------------------------------------------------
+
+    def _remaining(self, deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    @staticmethod
+    def prefill_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+        """The copy of the client's body sent to P: one token, no streaming, ``do_remote_decode``."""
+        p_body = dict(body)
+        p_body["max_tokens"] = 1
+        if chat or "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_body["stream"] = False
+        for key in _DROP_FOR_PREFILL:
+            p_body.pop(key, None)
+        p_body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+        return p_body
+
+    async def _prefill(
+        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
+    ) -> dict[str, Any]:
+        """Run the prefill on ``url``; return the ``kv_transfer_params`` that D needs."""
+        try:
+            with anyio.fail_after(self._remaining(deadline)):
+                resp = await self.client.post(url + path, json=body, headers=headers)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise _upstream_failure("prefill", url, exc, self.timeout_s) from exc
+        _check_status("prefill", url, resp, {"X-Request-Id": rid})
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise ProxyError(
+                502,
+                f"prefill instance {url} returned invalid JSON: {resp.text[:_ERROR_BODY_SNIPPET]}",
+                "upstream_error",
+            ) from exc
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(kv, dict) or not kv:
+            raise ProxyError(
+                502,
+                f"prefill instance {url} returned no kv_transfer_params: is it running with "
+                "--kv-transfer-config using the kvp2p connector and kv_role kv_producer (or kv_both)?",
+                "kv_transfer_error",
+            )
+        return kv
+
+    async def handle(self, request: Request, path: str) -> Response:
+        """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request."""
+        rid = request.headers.get("x-request-id") or str(uuid.uuid4())
+        try:
+            return await self._handle(request, path, rid)
+        except ProxyError as exc:
+            logger.warning("request %s: %s", rid, exc.message)
+            return exc.to_response(rid)
+        except PassThrough as exc:
+            logger.info("request %s: upstream answered %d, passed through", rid, exc.response.status_code)
+            return exc.response
+
+    async def _handle(self, request: Request, path: str, rid: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from exc
+        if not isinstance(body, dict):
+            raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
+
+        headers = {"X-Request-Id": rid}
+        for name in _FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        deadline = time.monotonic() + self.timeout_s
+        stream = bool(body.get("stream", False))
+
+        t0 = time.monotonic()
+        p_url = self.prefill.acquire()
+        try:
+            kv = await self._prefill(
+                p_url, path, self.prefill_body(body, chat=path.endswith("chat/completions")), headers, deadline, rid
+            )
+        finally:
+            self.prefill.release(p_url)
+        prefill_ms = (time.monotonic() - t0) * 1000.0
+
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = kv
+        info_headers = {
+            "X-Request-Id": rid,
+            "X-KVP2P-Prefill-Instance": p_url,
+            "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}",
+        }
+        d_url = self.decode.acquire()
+        info_headers["X-KVP2P-Decode-Instance"] = d_url
+        logger.info("request %s %s: prefill %s (%.1f ms) -> decode %s", rid, path, p_url, prefill_ms, d_url)
+        if not stream:
+            try:
+                return await self._decode_json(d_url, path, d_body, headers, deadline, info_headers)
+            finally:
+                self.decode.release(d_url)
+        handed_off = False
+        try:
+            response = await self._decode_stream(d_url, path, d_body, headers, deadline, info_headers, rid)
+            handed_off = True
+            return response
+        finally:
+            if not handed_off:
+                self.decode.release(d_url)
+
+    async def _decode_json(
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        deadline: float,
+        info_headers: dict[str, str],
+    ) -> Response:
+        """Non-streaming decode: D's JSON (``kv_transfer_params`` and all) with D's status."""
+        try:
+            with anyio.fail_after(self._remaining(deadline)):
+                resp = await self.client.post(url + path, json=body, headers=headers)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise _upstream_failure("decode", url, exc, self.timeout_s) from exc
+        _check_status("decode", url, resp, info_headers)
+        return _passthrough_response(resp, info_headers)
+
+    async def _decode_stream(
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        deadline: float,
+        info_headers: dict[str, str],
+        rid: str,
+    ) -> Response:
+        """Streaming decode: wait (bounded) for D's headers, then relay its SSE bytes as they come.
+
+        The returned response owns the decode slot: it releases it when the stream ends, however it ends.
+        """
+        req = self.client.build_request("POST", url + path, json=body, headers=headers)
+        resp: httpx.Response | None = None
+        try:
+            with anyio.fail_after(self._remaining(deadline)):
+                resp = await self.client.send(req, stream=True)
+                if not 200 <= resp.status_code < 300:
+                    await resp.aread()
+        except (TimeoutError, httpx.HTTPError) as exc:
+            if resp is not None:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+            raise _upstream_failure("decode", url, exc, self.timeout_s) from exc
+        if not 200 <= resp.status_code < 300:
+            await resp.aclose()
+            _check_status("decode", url, resp, info_headers)
+
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.decode.release(url)
+
+        return _RelayStreamingResponse(
+            self._relay(resp, url, rid),
+            upstream=resp,
+            on_close=release,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            headers={**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _relay(self, resp: httpx.Response, url: str, rid: str) -> AsyncIterator[bytes]:
+        """Yield D's bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event."""
+        tail = b""
+        try:
+            async for chunk in resp.aiter_bytes():
+                if chunk:
+                    tail = (tail + chunk)[-2:]
+                    yield chunk
+        except Exception as exc:  # noqa: BLE001 - any failure must still end the stream cleanly
+            err = _upstream_failure("decode", url, exc, self.timeout_s)
+            message = f"stream interrupted: {err.message}"
+            logger.warning("request %s: %s", rid, message)
+            # Terminate a half-sent event first so the error event parses on its own.
+            sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+            payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
+            yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+
+    # -- other endpoints -------------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        """Forward ``GET /v1/models`` to a decode instance (D serves the model the client talks to)."""
+        headers = {name: v for name in _FORWARDED_HEADERS if (v := request.headers.get(name)) is not None}
+        deadline = time.monotonic() + self.timeout_s
+        with self.decode.lease() as url:
+            try:
+                with anyio.fail_after(self._remaining(deadline)):
+                    resp = await self.client.get(url + "/v1/models", headers=headers)
+            except (TimeoutError, httpx.HTTPError) as exc:
+                return _upstream_failure("decode", url, exc, self.timeout_s).to_response()
+        try:
+            _check_status("decode", url, resp, {})
+        except ProxyError as exc:
+            return exc.to_response()
+        except PassThrough as exc:
+            return exc.response
+        return _passthrough_response(resp)
+
+    async def _probe(self, url: str) -> tuple[bool, str | None]:
+        """Is ``url``'s ``/health`` answering 200 within the probe timeout?"""
+        try:
+            with anyio.fail_after(self.health_probe_timeout_s):
+                resp = await self.client.get(url + "/health")
+        except (TimeoutError, httpx.HTTPError) as exc:
+            return False, _describe(exc)
+        if resp.status_code != 200:
+            return False, f"HTTP {resp.status_code}"
+        return True, None
+
+    async def health(self, probe: bool) -> JSONResponse:
+        """Instances and their outstanding counts; with ``probe``, also each backend's own /health.
+
+        Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
+        """
+        prefill = self.prefill.snapshot()
+        decode = self.decode.snapshot()
+        status_code = 200
+        body: dict[str, Any] = {"status": "ok", "prefill": prefill, "decode": decode}
+        if probe:
+            entries = [*prefill, *decode]
+            results = await asyncio.gather(*(self._probe(str(e["url"])) for e in entries))
+            for entry, (ok, err) in zip(entries, results, strict=True):
+                entry["healthy"] = ok
+                if err is not None:
+                    entry["error"] = err
+            if not any(e["healthy"] for e in prefill) or not any(e["healthy"] for e in decode):
+                body["status"] = "unhealthy"
+                status_code = 503
+        return JSONResponse(body, status_code)
+
+
+def create_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    health_probe_timeout_s: float = DEFAULT_HEALTH_PROBE_TIMEOUT_S,
+    probe_backends_on_health: bool = False,
+    max_connections: int | None = None,
+) -> FastAPI:
+    """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
+
+    ``timeout_s`` bounds everything up to D's first response byte (prefill included) and any silence between
+    two stream chunks; ``connect_timeout_s`` bounds each TCP connect. ``GET /health?probe=true`` (or every
+    /health if ``probe_backends_on_health``) also checks the backends. ``max_connections=None`` means no cap
+    on pooled upstream connections (each streaming request holds one for its whole duration).
+    The :class:`PDProxy` is available as ``app.state.proxy``.
+    """
+    proxy = PDProxy(
+        prefill_urls,
+        decode_urls,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        health_probe_timeout_s=health_probe_timeout_s,
+        max_connections=max_connections,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        logger.info("P/D proxy: prefill %s, decode %s", list(proxy.prefill.urls), list(proxy.decode.urls))
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.models(request)
+
+    @app.get("/health")
+    async def health(probe: bool | None = None) -> JSONResponse:
+        return await proxy.health(probe_backends_on_health if probe is None else probe)
+
+    return app

@@ -50,8 +50,9 @@ class KVP2PConfig:
     claim_wait: float = 10.0
     # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
     max_batch_entries: int = 1024
-    # Test-only: D overwrites the blocks it pulled with noise, to prove the output checks can fail.
-    test_corrupt_pull: bool = False
+    # Test-only: D honours "kvp2p_test_corrupt": true in a request's kv_transfer_params by overwriting the blocks
+    # it pulled for that request with noise, to prove that output checks can fail. Off in production.
+    test_hooks: bool = False
 
     @classmethod
     def from_sources(
@@ -167,5 +168,5 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "side_channel_timeout": _as_float,
     "claim_wait": _as_float,
     "max_batch_entries": _as_int,
-    "test_corrupt_pull": _as_bool,
+    "test_hooks": _as_bool,
 }

@@ -58,7 +58,7 @@ class PullLoop:
         side_channel_timeout: float,
         claim_wait: float,
         max_batch_entries: int,
-        after_pull: Callable[[PullResult], None] | None = None,
+        after_pull: Callable[[PullPlan, PullResult], None] | None = None,
     ) -> None:
         self.engine = engine
         self.reader = reader
@@ -125,7 +125,7 @@ class PullLoop:
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until claim_wait
             action = job.next_action(time.monotonic())
             if isinstance(action, Finish):
-                self._finished(action.result)
+                self._finished(plan, action.result)
                 return action.result
             if isinstance(action, Wait):
                 time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
@@ -181,11 +181,11 @@ class PullLoop:
             return None, f"unexpected reply {type(reply).__name__}"
         return reply, ""
 
-    def _finished(self, result: PullResult) -> None:
+    def _finished(self, plan: PullPlan, result: PullResult) -> None:
         if result.reason:
             logger.warning("pull of %s failed: %s", result.request_id, result.reason)
         elif result.num_blocks and self.after_pull is not None:
-            self.after_pull(result)
+            self.after_pull(plan, result)
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.lifecycle.consumer import PullResult
+from vllm_kvp2p.lifecycle.consumer import PullPlan, PullResult
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.protocol import RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
@@ -126,7 +126,7 @@ class WorkerSide:
                 side_channel_timeout=config.side_channel_timeout,
                 claim_wait=config.claim_wait,
                 max_batch_entries=config.max_batch_entries,
-                after_pull=self._corrupt if config.test_corrupt_pull else None,
+                after_pull=self._corrupt if config.test_hooks else None,
             )
 
     # ------------------------------------------------------------------ per step
@@ -165,8 +165,10 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ test hook
 
-    def _corrupt(self, result: PullResult) -> None:
-        """Overwrite freshly pulled blocks with noise (``test_corrupt_pull``): proves output checks can fail."""
+    def _corrupt(self, plan: PullPlan, result: PullResult) -> None:
+        """Overwrite freshly pulled blocks with noise (test hook): proves that output checks can fail."""
+        if not plan.test_corrupt:
+            return
         import torch
 
         ids = torch.tensor(list(result.local_block_ids), dtype=torch.long)

@@ -27,7 +27,7 @@ def test_env_then_extra_config_precedence() -> None:
         ({"side_channel_port": 16000}, {}, ["side_channel_port=16000", "15000..17000"]),
         ({"transfer_timeout": 1}, {}, ["transfer_timeout=1", ">= 5"]),
         ({}, {"VLLM_KVP2P_HOLD_TIMEOUT": "soon"}, ["VLLM_KVP2P_HOLD_TIMEOUT='soon'", "seconds"]),
-        ({"test_corrupt_pull": "maybe"}, {}, ["test_corrupt_pull", "true/false"]),
+        ({"test_hooks": "maybe"}, {}, ["test_hooks", "true/false"]),
         ({"hold_timeuot": 3}, {}, ["hold_timeuot", "allowed keys"]),
     ],
 )

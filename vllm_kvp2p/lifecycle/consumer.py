@@ -16,6 +16,7 @@ receive finished (reporting it for a RUNNING request kills vLLM's scheduler). P 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
 
 # --------------------------------------------------------------------------- scheduler half
+
+# Test-only key of kv_transfer_params, see KVP2PConfig.test_hooks.
+TEST_CORRUPT_KEY = "kvp2p_test_corrupt"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class PullPlan:
     remote_block_ids: tuple[int, ...]  # P blocks holding the same tokens, one to one
     awaiting: bool  # vLLM waits for a finished receive (it asked for > 0 external tokens)
     error: str = ""  # the plan is already known to fail (the worker still releases P)
+    test_corrupt: bool = False  # test hook (honoured only with the test_hooks setting): corrupt what was pulled
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +89,8 @@ class ConsumerSchedule:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
             plan = self._pull_plan(request_id, remote, tuple(unhashed_block_ids), num_local_computed)
+            if params.get(TEST_CORRUPT_KEY):
+                plan = dataclasses.replace(plan, test_corrupt=True)
         self._pending.append(plan)
         return plan
 

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import BLOCK_SIZE, Cluster
+from tests.e2e.conftest import BLOCK_SIZE
+from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +87,7 @@ def test_disaggregated_output_equals_single_instance(cluster: Cluster, length: i
     local_before = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     external_before = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
-    pd = post(cluster.proxy.url + "/v1/completions", completion_body(prompt))
+    pd = post(cluster.proxy_url + "/v1/completions", completion_body(prompt))
     single = baseline(cluster, prompt)
 
     assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
@@ -105,7 +106,7 @@ def test_disaggregated_output_equals_single_instance(cluster: Cluster, length: i
 def test_streaming_and_chat_through_the_proxy(cluster: Cluster) -> None:
     prompt = prompt_ids(90, seed=7)
     chunks: list[str] = []
-    with httpx.stream("POST", cluster.proxy.url + "/v1/completions",
+    with httpx.stream("POST", cluster.proxy_url + "/v1/completions",
                       json={**completion_body(prompt), "stream": True, "logprobs": None}, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -113,7 +114,7 @@ def test_streaming_and_chat_through_the_proxy(cluster: Cluster) -> None:
                 chunks.append(json.loads(line[6:])["choices"][0]["text"])
     assert "".join(chunks) == baseline(cluster, prompt)["choices"][0]["text"]
 
-    chat = post(cluster.proxy.url + "/v1/chat/completions", {
+    chat = post(cluster.proxy_url + "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "alpha beta gamma delta " * 10}],
         "max_tokens": 8, "temperature": 0,
     })
@@ -123,7 +124,7 @@ def test_streaming_and_chat_through_the_proxy(cluster: Cluster) -> None:
 
 def test_prefill_holds_no_blocks_after_requests(cluster: Cluster) -> None:
     for seed in range(3):
-        post(cluster.proxy.url + "/v1/completions", completion_body(prompt_ids(200, seed=100 + seed)))
+        post(cluster.proxy_url + "/v1/completions", completion_body(prompt_ids(200, seed=100 + seed)))
     assert wait_kv_idle(cluster.prefill) == 0.0
     assert wait_kv_idle(cluster.decode) == 0.0
 

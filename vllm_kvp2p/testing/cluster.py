@@ -1,0 +1,129 @@
+"""A whole P/D deployment on one machine: a prefill ``vllm serve`` (kv_producer), a decode ``vllm serve``
+(kv_consumer) and the ``vllm-kvp2p-proxy`` console script in front, all on 127.0.0.1. Used by the demo and the
+end-to-end tests. Everything it starts, it stops (by PID / process group).
+
+The connector is found through the installed ``vllm.general_plugins`` entry point, exactly as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvp2p.testing.server import VllmServer, free_port
+
+
+def kv_transfer_config(role: str, **extra: object) -> str:
+    """The ``--kv-transfer-config`` value a user passes to ``vllm serve``."""
+    config: dict[str, object] = {"kv_connector": "MooncakeP2PConnector", "kv_role": role}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return json.dumps(config)
+
+
+@dataclass
+class ProxyProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, prefill: list[str], decode: list[str], log_path: Path, timeout: float = 120) -> ProxyProcess:
+        port = free_port()
+        script = shutil.which("vllm-kvp2p-proxy", path=os.path.dirname(sys.executable))
+        if not script:
+            raise RuntimeError("the vllm-kvp2p-proxy console script is not installed next to this Python")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [script, "--host", "127.0.0.1", "--port", str(port), "--prefill", *prefill, "--decode", *decode,
+                 "--timeout", str(timeout)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        proxy = cls(f"http://127.0.0.1:{port}", proc, log_path)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(proxy.url + "/health", timeout=2):
+                    return proxy
+            except OSError:
+                time.sleep(0.2)
+        proxy.stop()
+        raise RuntimeError("proxy did not become healthy in 30 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@dataclass
+class PDCluster:
+    """P on core 0, D on core 1 (vLLM's CPU workers are pinned), proxy in front."""
+
+    model_path: Path
+    log_dir: Path
+    prefill_env: Mapping[str, str] = field(default_factory=dict)
+    decode_env: Mapping[str, str] = field(default_factory=dict)
+    decode_extra_config: Mapping[str, object] = field(default_factory=dict)
+    ready_timeout: float = 400.0
+
+    def __post_init__(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.side_channel_port = free_port()  # P's side-channel base port (rank 0)
+        common = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        self.prefill = VllmServer(
+            self.model_path, free_port(), cpus="0", log_path=self.log_dir / "prefill.log",
+            extra_args=("--kv-transfer-config", kv_transfer_config("kv_producer")),
+            env={**common, "VLLM_KVP2P_SIDE_CHANNEL_PORT": str(self.side_channel_port), **self.prefill_env},
+            ready_timeout=self.ready_timeout,
+        )
+        self.decode = VllmServer(
+            self.model_path, free_port(), cpus="1", log_path=self.log_dir / "decode.log",
+            extra_args=("--kv-transfer-config", kv_transfer_config("kv_consumer", **self.decode_extra_config)),
+            env={**common, **self.decode_env},
+            ready_timeout=self.ready_timeout,
+        )
+        self.proxy: ProxyProcess | None = None
+
+    @property
+    def proxy_url(self) -> str:
+        assert self.proxy is not None, "cluster not started"
+        return self.proxy.url
+
+    def start(self) -> PDCluster:
+        try:
+            self.prefill.start()
+            self.decode.start()  # both engines boot in parallel
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+            self.proxy = ProxyProcess.start([self.prefill.url], [self.decode.url], self.log_dir / "proxy.log")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.decode.stop()
+        self.prefill.stop()
+
+    def __enter__(self) -> PDCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

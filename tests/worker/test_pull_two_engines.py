@@ -154,3 +154,11 @@ def test_dead_p_fails_fast() -> None:
     finally:
         loop.close()
         d_engine.close()
+
+
+def test_side_channel_port_collision_names_the_port_and_setting(pair: Pair) -> None:
+    from vllm_kvp2p.side_channel import SideChannelError
+
+    with pytest.raises(SideChannelError) as info:
+        HoldService(pair.holds.registration, "127.0.0.1", pair.port, hold_timeout=1, lease_timeout=1)
+    assert str(pair.port) in str(info.value) and "VLLM_KVP2P_SIDE_CHANNEL_PORT" in str(info.value)

@@ -45,6 +45,12 @@ def test_full_local_hit_plans_a_release_only() -> None:
     assert s.take_plans() == [plan]
 
 
+def test_partial_hit_with_tail_shorter_than_a_block_computes_locally() -> None:
+    s = ConsumerSchedule(BS)
+    assert s.matched_tokens("d1", params(), 60, 48) == (0, False)  # 12 tokens left, < one block
+    assert s.matched_tokens("d1", params(num_tokens=10), 10, 0) == (10, True)  # no local hit: pull the short prompt
+
+
 def test_partial_hit_pulls_only_missing_blocks() -> None:
     s = ConsumerSchedule(BS)
     plan = s.on_alloc("d1", params(), 28, [7, 8], 32)  # 2 of 4 blocks cached locally

@@ -68,6 +68,9 @@ class ConsumerSchedule:
         count = min(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
         if count <= 0:
             return 0, False
+        if num_local_computed > 0 and count < self.block_size:
+            # D already caches all full blocks: computing the short tail is cheaper than a round trip to P.
+            return 0, False
         return count, True
 
     def on_alloc(

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO, Self
 
 __all__ = [
     "DEFAULT_ARGS",
@@ -207,9 +208,9 @@ class VllmServer:
         self.ready_timeout = ready_timeout
         self.python = python or sys.executable
         self._env_overrides = dict(env or {})
-        if cpus is None and "VLLM_CPU_OMP_THREADS_BIND" not in self._env_overrides:
-            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                cpus = _round_robin_cpu()
+        bind_var = "VLLM_CPU_OMP_THREADS_BIND"
+        if cpus is None and bind_var not in self._env_overrides and bind_var not in os.environ:
+            cpus = _round_robin_cpu()
         if cpus is not None:
             self._env_overrides["VLLM_CPU_OMP_THREADS_BIND"] = cpus
         if single_process:
@@ -224,7 +225,7 @@ class VllmServer:
             log_path = name
         self.log_path = Path(log_path)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file = None
+        self._log_file: BinaryIO | None = None
         self.started_at: float | None = None
         self.ready_after: float | None = None  # seconds from start() to the first healthy /health
 
@@ -277,14 +278,15 @@ class VllmServer:
         if self._proc is not None:
             raise VllmServerError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log_file.write(("$ " + " ".join(self.cmd) + "\n").encode())
-        self._log_file.flush()
+        log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log_file.write(("$ " + " ".join(self.cmd) + "\n").encode())
+        log_file.flush()
+        self._log_file = log_file
         self.started_at = time.monotonic()
         self._proc = subprocess.Popen(
             self.cmd,
             stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
+            stdout=log_file,
             stderr=subprocess.STDOUT,
             env=self.env,
             start_new_session=True,  # own process group: stop() kills EngineCore/Worker too
@@ -347,7 +349,7 @@ class VllmServer:
                 self._log_file.close()
                 self._log_file = None
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Self:
         self.start()
         try:
             self.wait_ready()

@@ -67,41 +67,41 @@ _FILES = (
 
 _PARAGRAPHS = (
     "The quick brown fox jumps over the lazy dog. A small cat sleeps on the warm mat near the kitchen door.",
-    "Once upon a time there was a little village by the river. The people of the village grew wheat, apples and "
-    "beans, and every autumn they held a market in the square.",
-    "In the morning the sun rose over the hills and the birds began to sing. Children walked to school along the "
-    "old stone road while their parents went to work in the fields.",
-    "Computers store numbers in memory and move them between the processor and the network. A cache keeps recent "
-    "data close to the processor so that the next request is served quickly.",
-    "A language model reads a sequence of tokens and predicts the next token. The attention layers look back at "
-    "the keys and values of every earlier token, which are kept in the key value cache.",
-    "When two machines share a prefix cache, the second machine can skip the work that the first one has already "
-    "done. It reads the blocks from the remote memory and continues from there.",
-    "The weather today is cloudy with a chance of rain in the afternoon. Tomorrow will be sunny and a little "
-    "warmer, with light winds from the west.",
-    "She opened the book and read the first page aloud. It told the story of a sailor who crossed the ocean in a "
-    "small wooden boat, guided only by the stars.",
-    "Water boils at one hundred degrees and freezes at zero. Ice is lighter than water, so it floats on the "
-    "surface of lakes and rivers in winter.",
-    "The library was quiet except for the sound of pages turning. Students sat at long tables, writing notes and "
-    "solving problems in mathematics, physics and chemistry.",
-    "Good software is simple, tested and easy to change. Every function should do one thing well, and every test "
-    "should check one behaviour clearly.",
-    "The train left the station at seven o'clock and arrived in the city two hours later. Passengers read "
-    "newspapers, drank coffee and looked out of the windows at the green fields.",
-    "My favourite colours are red, orange, yellow, green, blue and purple. The sky is blue, the grass is green "
-    "and the sun is bright yellow.",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the seven days of the week. January, "
-    "February, March, April, May, June, July, August, September, October, November and December are the months.",
+    ("Once upon a time there was a little village by the river. The people of the village grew wheat, apples and "
+     "beans, and every autumn they held a market in the square."),
+    ("In the morning the sun rose over the hills and the birds began to sing. Children walked to school along the "
+     "old stone road while their parents went to work in the fields."),
+    ("Computers store numbers in memory and move them between the processor and the network. A cache keeps recent "
+     "data close to the processor so that the next request is served quickly."),
+    ("A language model reads a sequence of tokens and predicts the next token. The attention layers look back at "
+     "the keys and values of every earlier token, which are kept in the key value cache."),
+    ("When two machines share a prefix cache, the second machine can skip the work that the first one has already "
+     "done. It reads the blocks from the remote memory and continues from there."),
+    ("The weather today is cloudy with a chance of rain in the afternoon. Tomorrow will be sunny and a little "
+     "warmer, with light winds from the west."),
+    ("She opened the book and read the first page aloud. It told the story of a sailor who crossed the ocean in a "
+     "small wooden boat, guided only by the stars."),
+    ("Water boils at one hundred degrees and freezes at zero. Ice is lighter than water, so it floats on the "
+     "surface of lakes and rivers in winter."),
+    ("The library was quiet except for the sound of pages turning. Students sat at long tables, writing notes and "
+     "solving problems in mathematics, physics and chemistry."),
+    ("Good software is simple, tested and easy to change. Every function should do one thing well, and every test "
+     "should check one behaviour clearly."),
+    ("The train left the station at seven o'clock and arrived in the city two hours later. Passengers read "
+     "newspapers, drank coffee and looked out of the windows at the green fields."),
+    ("My favourite colours are red, orange, yellow, green, blue and purple. The sky is blue, the grass is green "
+     "and the sun is bright yellow."),
+    ("Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the seven days of the week. January, "
+     "February, March, April, May, June, July, August, September, October, November and December are the months."),
     "Hello! How are you? I am fine, thank you. What is your name? My name is Alice, and this is my friend Bob.",
-    "The system prompt says: you are a helpful assistant. The user asks a question and the assistant answers it "
-    "politely, briefly and correctly.",
-    "One, two, three, four, five, six, seven, eight, nine, ten. Eleven, twelve, thirteen, fourteen, fifteen, "
-    "twenty, thirty, forty, fifty, hundred, thousand, million.",
-    "Mountains are high and valleys are low. Forests are full of trees, animals and mushrooms, and deserts are "
-    "dry and hot during the day but cold at night.",
-    "The engineer measured the latency of each request and wrote the results in a table. The first token took "
-    "longer than the others because the whole prompt had to be processed.",
+    ("The system prompt says: you are a helpful assistant. The user asks a question and the assistant answers it "
+     "politely, briefly and correctly."),
+    ("One, two, three, four, five, six, seven, eight, nine, ten. Eleven, twelve, thirteen, fourteen, fifteen, "
+     "twenty, thirty, forty, fifty, hundred, thousand, million."),
+    ("Mountains are high and valleys are low. Forests are full of trees, animals and mushrooms, and deserts are "
+     "dry and hot during the day but cold at night."),
+    ("The engineer measured the latency of each request and wrote the results in a table. The first token took "
+     "longer than the others because the whole prompt had to be processed."),
     "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, i))\n",
 )
 
@@ -118,8 +118,7 @@ def _dump_json(obj: object) -> str:
 
 def _build_tokenizer(vocab: int, max_pos: int):
     """Train a byte-level BPE on :func:`tiny_corpus`, padded with ``<|extra_N|>`` tokens to exactly ``vocab``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

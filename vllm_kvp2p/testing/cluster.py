@@ -21,9 +21,21 @@ from pathlib import Path
 from vllm_kvp2p.testing.server import VllmServer, free_port
 
 
-def kv_transfer_config(role: str, **extra: object) -> str:
+def start_producer(model_path: Path, log_path: Path, env: Mapping[str, str], cpus: str = "0") -> VllmServer:
+    """One more prefill instance (own side-channel port), e.g. to kill or starve in a test."""
+    server = VllmServer(
+        model_path, free_port(), cpus=cpus, log_path=log_path,
+        extra_args=("--kv-transfer-config", kv_transfer_config("kv_producer")),
+        env={"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+             "VLLM_KVP2P_SIDE_CHANNEL_PORT": str(free_port()), **env},
+    )
+    return server
+
+
+def kv_transfer_config(role: str, failure_policy: str = "fail", **extra: object) -> str:
     """The ``--kv-transfer-config`` value a user passes to ``vllm serve``."""
-    config: dict[str, object] = {"kv_connector": "MooncakeP2PConnector", "kv_role": role}
+    config: dict[str, object] = {"kv_connector": "MooncakeP2PConnector", "kv_role": role,
+                                 "kv_load_failure_policy": failure_policy}
     if extra:
         config["kv_connector_extra_config"] = extra
     return json.dumps(config)
@@ -79,6 +91,7 @@ class PDCluster:
     prefill_env: Mapping[str, str] = field(default_factory=dict)
     decode_env: Mapping[str, str] = field(default_factory=dict)
     decode_extra_config: Mapping[str, object] = field(default_factory=dict)
+    decode_failure_policy: str = "fail"  # vLLM's kv_load_failure_policy on D: "fail" or "recompute"
     ready_timeout: float = 400.0
 
     def __post_init__(self) -> None:
@@ -93,7 +106,8 @@ class PDCluster:
         )
         self.decode = VllmServer(
             self.model_path, free_port(), cpus="1", log_path=self.log_dir / "decode.log",
-            extra_args=("--kv-transfer-config", kv_transfer_config("kv_consumer", **self.decode_extra_config)),
+            extra_args=("--kv-transfer-config",
+                        kv_transfer_config("kv_consumer", self.decode_failure_policy, **self.decode_extra_config)),
             env={**common, **self.decode_env},
             ready_timeout=self.ready_timeout,
         )

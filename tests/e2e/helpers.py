@@ -1,0 +1,68 @@
+"""Requests, baselines and metrics shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import httpx
+
+from vllm_kvp2p.testing.cluster import PDCluster as Cluster
+from vllm_kvp2p.testing.server import VllmServer
+
+BLOCK_SIZE = 32  # vllm_kvp2p.testing.server.DEFAULT_ARGS
+VOCAB = 512
+NUM_LAYERS, KV_HEADS, HEAD_SIZE, DTYPE_BYTES = 2, 2, 64, 4
+BYTES_PER_BLOCK = NUM_LAYERS * KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * DTYPE_BYTES  # K and V, all layers
+MAX_TOKENS = 12
+LOGPROB_TOL = 1e-4  # float32 noise between a one-shot prefill and D's recompute of the last prompt token
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    r = httpx.post(url, json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def completion_body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, **extra}
+
+
+def baseline(cluster: Cluster, prompt: list[int]) -> dict[str, Any]:
+    return post(cluster.prefill.url + "/v1/completions", completion_body(prompt, cache_salt="single-instance"))
+
+
+def tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[str], list[float]]:
+    lp = resp["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def max_logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    ta, la = tokens_and_logprobs(a)
+    tb, lb = tokens_and_logprobs(b)
+    if ta != tb:
+        return math.inf
+    return max(abs(x - y) for x, y in zip(la, lb))
+
+
+def metric(server: VllmServer, name: str, **labels: str) -> float:
+    return server.metric(name, **labels)
+
+
+def wait_kv_idle(server: VllmServer, timeout: float = 30.0) -> float:
+    """P's KV usage after its holds are released (vLLM reports 0.0 when no block is held)."""
+    deadline = time.monotonic() + timeout
+    usage = metric(server, "vllm:kv_cache_usage_perc")
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        usage = metric(server, "vllm:kv_cache_usage_perc")
+    return usage
+
+

@@ -360,31 +360,23 @@ def test_d_partial_prefix_hit_pulls_only_missing_blocks(local_blocks):
     release_on_p(p_sched, "p1")
 
 
-def test_d_local_hit_with_short_tail_is_consistent():
-    """D caches every full block; less than a block is left (40 = 2*16 + 8). The connector may pull the tail block
-    or, as a policy, recompute it locally; either way its answer, the plan and vLLM's state must agree."""
+def test_d_local_hit_with_short_tail_computes_the_tail_and_releases_p():
+    """D caches every full block; less than a block is left (40 = 2*16 + 8). Computing 8 tokens is cheaper than a
+    round trip to P: the connector answers (0, False), the request runs at once, and P is only released."""
     p_sched, d_sched = p_scheduler(), d_scheduler()
     prompt = tokens(40)
-    params, p_blocks = prefill_on_p(p_sched, "p1", prompt)
+    params, _ = prefill_on_p(p_sched, "p1", prompt)
     d_sched.add_request(make_request("warm", prompt[: 2 * BS] + tokens(8, seed=5), max_tokens=1))
     run_until_idle(d_sched)
 
     matched = Spy(d_sched, "get_num_new_matched_tokens")
     d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
     st = step(d_sched)
-    (answer,) = matched.results("d1")
+    assert matched.results("d1") == [(0, False)]
     (plan,) = st.meta.pulls
-    request = d_sched.requests["d1"]
-    if answer == (0, False):  # recompute the tail locally, only release P
-        assert plan == PullPlan("d1", RemotePrefill.from_params(params), (), (), awaiting=False)
-        assert request.status == RequestStatus.RUNNING
-        assert st.so.num_scheduled_tokens == {"d1": 8}
-    else:  # pull the tail block
-        assert answer == (8, True)
-        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        assert plan.awaiting and plan.local_block_ids == (request_block_ids(d_sched, "d1")[2],)
-        assert plan.remote_block_ids == (p_blocks[2],)
-        step(d_sched, finished_recving={"d1"})
+    assert plan == PullPlan("d1", RemotePrefill.from_params(params), (), (), awaiting=False)
+    assert d_sched.requests["d1"].status == RequestStatus.RUNNING
+    assert st.so.num_scheduled_tokens == {"d1": 8}
     run_until_idle(d_sched)
     assert_scheduler_empty(d_sched)
     release_on_p(p_sched, "p1")

@@ -28,7 +28,7 @@ from vllm_kvp2p.lifecycle.consumer import (
     Source,
     Wait,
 )
-from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration
+from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import UnsupportedLayout, read_sources
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
@@ -101,16 +101,19 @@ class PullLoop:
                     return
                 t0 = time.perf_counter()
                 try:
-                    result = self._drive(plan, client)
+                    result = self._handle_request(plan, client)
                 except Exception as exc:  # never lose a plan: vLLM would wait for it forever
                     logger.exception("pull of %s crashed", plan.request_id)
                     result = _crash_result(plan, exc)
+                    self._release_after_crash(plan, client)
                 with self._results_lock:
                     self._results.append(TimedResult(result, time.perf_counter() - t0))
         finally:
             client.close()
 
-    def _drive(self, plan: PullPlan, client: SideChannelClient) -> PullResult:
+    def _handle_request(self, plan: PullPlan, client: SideChannelClient) -> PullResult:
+        """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
+        must be told (only when it is waiting for the receive)."""
         try:
             sources = read_sources(plan.remote.tp_size, self.tp_size, self.tp_rank)
         except UnsupportedLayout as exc:
@@ -154,6 +157,15 @@ class PullLoop:
                                    plan.request_id, action.source.p_rank, exc)
                 job.on_release_sent(action.source)
         raise RuntimeError(f"pull of {plan.request_id} did not finish")
+
+    def _release_after_crash(self, plan: PullPlan, client: SideChannelClient) -> None:
+        r = plan.remote
+        try:
+            for source in read_sources(r.tp_size, self.tp_size, self.tp_rank):
+                client.request(r.remote_host, r.remote_port + source.p_rank,
+                               Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers))
+        except Exception as exc:  # P's hold timeout frees the blocks in the end
+            logger.warning("release of %s after a crash not delivered: %s", plan.request_id, exc)
 
     def _registration(
         self, client: SideChannelClient, engine_id: str, host: str, base_port: int, source: Source

@@ -6,7 +6,6 @@ every process it starts. It only records where the connector class lives; nothin
 
 from __future__ import annotations
 
-
 from vllm_kvp2p.log import get_logger
 
 __version__ = "0.1.0"

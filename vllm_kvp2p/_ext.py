@@ -14,10 +14,10 @@ Importing this module imports neither torch nor vllm.
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from vllm_kvp2p.log import get_logger
 
 logger = get_logger(__name__)
 

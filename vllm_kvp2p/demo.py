@@ -55,7 +55,8 @@ def run(model_dir: Path, log_dir: Path, max_tokens: int) -> int:
                 return 1
             mb = pull["bytes"] / 1e6
             rate = mb / pull["seconds"] if pull["seconds"] else float("inf")
-            print(f"    D pulled {pull['blocks']} blocks = {pull['bytes']} bytes from P in {pull['seconds'] * 1e3:.1f} ms "
+            print(f"    D pulled {pull['blocks']} blocks = {pull['bytes']} bytes from P "
+                  f"in {pull['seconds'] * 1e3:.1f} ms "
                   f"({rate:.0f} MB/s, {pull['descriptors']} Mooncake descriptors); end to end {seconds:.2f} s")
             total_bytes += pull["bytes"]
         deadline = time.monotonic() + 30

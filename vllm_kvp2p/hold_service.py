@@ -6,13 +6,12 @@ from the side channel, the passing of time) and logs what it reports.
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 import threading
 import time
 from collections.abc import Callable
 
 from vllm_kvp2p.lifecycle.producer import ProducerLedger
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     Ack,
     Claim,

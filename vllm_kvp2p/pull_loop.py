@@ -7,8 +7,6 @@ and these machines have two.
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 import queue
 import threading
 import time
@@ -28,6 +26,7 @@ from vllm_kvp2p.lifecycle.consumer import (
     Source,
     Wait,
 )
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import UnsupportedLayout, read_sources

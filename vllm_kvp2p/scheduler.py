@@ -7,8 +7,6 @@ into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import RemotePrefill
 
 if TYPE_CHECKING:

@@ -7,8 +7,6 @@ a reply cannot be reused).
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 import threading
 from collections.abc import Callable
 
@@ -16,6 +14,7 @@ import msgspec
 import zmq
 
 from vllm_kvp2p import protocol
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import ErrorReply, Reply, Request
 
 logger = get_logger(__name__)

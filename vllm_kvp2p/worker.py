@@ -7,14 +7,13 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan, PullResult
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.protocol import RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop

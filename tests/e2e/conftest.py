@@ -1,5 +1,6 @@
 """One real P/D deployment per test session (see :class:`vllm_kvp2p.testing.cluster.PDCluster`): a prefill
-``vllm serve`` (kv_producer), a decode ``vllm serve`` (kv_consumer, test hooks on, failed loads recomputed) and the proxy console script,
+``vllm serve`` (kv_producer), a decode ``vllm serve`` (kv_consumer, test hooks on, failed loads recomputed)
+and the proxy console script,
 on 127.0.0.1, each vLLM worker pinned to its own core. Started once, stopped at the end of the session."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 from vllm_kvp2p.testing.cluster import PDCluster
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

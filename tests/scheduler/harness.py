@@ -127,7 +127,9 @@ def make_scheduler(vllm_config: VllmConfig, *, num_blocks: int = 1000) -> Schedu
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))
+            KVCacheGroupSpec(
+                ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            )
         ],
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks

@@ -399,7 +399,7 @@ def test_descriptor_geometry(builder, case):
     lstarts = [p.base_addr for p in lp]
     rstarts = [p.base_addr for p in rp]
     assert lstarts == sorted(lstarts) and rstarts == sorted(rstarts)
-    for planes, starts, addrs, ids in ((lp, lstarts, la, li), (rp, rstarts, ra, ri)):
+    for planes, _starts, addrs, ids in ((lp, lstarts, la, li), (rp, rstarts, ra, ri)):
         got = [(a, a + n) for a, n in zip(addrs, lengths)]
         # never overlapping
         ordered = sorted(got)

@@ -9,14 +9,13 @@ import uuid
 import pytest
 import torch
 
+from tests.support.ports import free_port
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import Outcome, PullPlan
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, planes_of_layers
-
-from tests.support.ports import free_port
 
 NUM_LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
 P_BLOCKS, D_BLOCKS = 40, 33  # ranks and instances may differ in block count
@@ -31,7 +30,9 @@ def _kv(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _planes(kv: dict[str, torch.Tensor], num_blocks: int):
-    layers = [(n, [TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())]) for n, t in kv.items()]
+    layers = [
+        (n, [TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())]) for n, t in kv.items()
+    ]
     return planes_of_layers(layers, num_blocks), coalesce_regions([v for _, vs in layers for v in vs])
 
 

@@ -336,7 +336,10 @@ class ConsumerPull:
         if reply.status is ClaimStatus.UNKNOWN and now < st.claim_deadline:
             st.retry_at = now + min(0.05, max(0.0, st.claim_deadline - now))
             return
-        why = reply.reason if reply.status is ClaimStatus.REFUSED else f"P never learned of the hold in {self.claim_wait:g}s"
+        if reply.status is ClaimStatus.REFUSED:
+            why = reply.reason
+        else:
+            why = f"P never learned of the hold in {self.claim_wait:g}s"
         self._fail(f"P rank {source.p_rank} refused the claim: {why}")
 
     def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
@@ -353,7 +356,8 @@ class ConsumerPull:
         if st is None:
             return
         if not ok:
-            return self._fail(f"read from P rank {source.p_rank} ({st.registration.segment if st.registration else '?'}) failed: {error}")
+            segment = st.registration.segment if st.registration else "?"
+            return self._fail(f"read from P rank {source.p_rank} ({segment}) failed: {error}")
         batch = st.batches.pop(0)
         self._bytes += batch.total_bytes
         if not st.batches:

@@ -159,7 +159,8 @@ class ProducerLedger:
                 del hold.leases[reader]
             if lapsed and not hold.leases:
                 # The reader vanished mid-transfer (no release, no renewal): nobody can be reading any more.
-                self._finish(hold, HoldState.EXPIRED, f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s")
+                why = f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s"
+                self._finish(hold, HoldState.EXPIRED, why)
                 continue
             if hold.leases or hold.hold_deadline > now:
                 continue

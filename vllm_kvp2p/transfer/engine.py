@@ -10,14 +10,13 @@ Facts about the engine this adapter exists to contain (measured with the 0.3.13.
 
 from __future__ import annotations
 
-
-from vllm_kvp2p.log import get_logger
 import os
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.transfer.descriptors import Descriptors
 
 logger = get_logger(__name__)

@@ -19,6 +19,7 @@ from typing import Any, Union
 import msgspec
 
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.slicing import BlockShape
 
 PROTOCOL_VERSION = 1
 
@@ -68,12 +69,15 @@ class RankRegistration(msgspec.Struct, frozen=True):
     tp_size: int
     segment: str  # Mooncake target name, "host:rpc_port"
     planes: list[PlaneGeometry]  # in layer order, then K/V order where they are separate
+    block_shapes: list[BlockShape]  # the inside of one block of each plane
     layer_names: list[str]
     block_size: int  # tokens per block
     num_blocks: int  # this rank's own count (ranks of one engine may differ)
     dtype: str
     num_kv_heads: int  # KV heads held by this rank
+    total_num_kv_heads: int  # KV heads of the model
     head_size: int
+    use_mla: bool = False
     protocol_version: int = PROTOCOL_VERSION
 
 

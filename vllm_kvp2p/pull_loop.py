@@ -7,17 +7,20 @@ and these machines have two.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_kvp2p.lifecycle.consumer import (
+from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
     Finish,
-    PullPlan,
+    LocalKV,
+    Outcome,
     PullResult,
     ReadBatch,
     SendClaim,
@@ -29,8 +32,7 @@ from vllm_kvp2p.lifecycle.consumer import (
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
-from vllm_kvp2p.tp_mapping import UnsupportedLayout, read_sources
-from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
 logger = get_logger(__name__)
@@ -52,8 +54,7 @@ class PullLoop:
         reader: str,
         tp_size: int,
         tp_rank: int,
-        local_planes: Sequence[PlaneGeometry],
-        block_size: int,
+        local: LocalKV,
         side_channel_timeout: float,
         claim_wait: float,
         max_batch_entries: int,
@@ -63,8 +64,7 @@ class PullLoop:
         self.reader = reader
         self.tp_size = tp_size
         self.tp_rank = tp_rank
-        self.local_planes = list(local_planes)
-        self.block_size = block_size
+        self.local = local
         self.side_channel_timeout = side_channel_timeout
         self.claim_wait = claim_wait
         self.max_batch_entries = max_batch_entries
@@ -114,13 +114,12 @@ class PullLoop:
         """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
         must be told (only when it is waiting for the receive)."""
         try:
-            sources = read_sources(plan.remote.tp_size, self.tp_size, self.tp_rank)
+            sources = self.sources_for(plan.remote.tp_size)
         except UnsupportedLayout as exc:
-            plan = PullPlan(plan.request_id, plan.remote, plan.local_block_ids, plan.remote_block_ids,
-                            plan.awaiting, error=str(exc))
-            sources = tuple(Source(p) for p in range(min(plan.remote.tp_size, 1)))
+            plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}")
+            sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
         job = ConsumerPull(
-            plan, sources, self.reader, self.local_planes, self.block_size,
+            plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
@@ -157,10 +156,21 @@ class PullLoop:
                 job.on_release_sent(action.source)
         raise RuntimeError(f"pull of {plan.request_id} did not finish")
 
+    def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
+        """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""
+        local = self.local
+        p = Layout(p_tp_size, local.total_num_kv_heads, local.use_mla)
+        d = Layout(self.tp_size, local.total_num_kv_heads, local.use_mla)
+        mapping = rank_plan(p, d, self.tp_rank)
+        return tuple(
+            Source(q, mapping.expected_readers[q], tuple(s for s in mapping.reads if s.p_rank == q))
+            for q in mapping.p_ranks
+        )
+
     def _release_after_crash(self, plan: PullPlan, client: SideChannelClient) -> None:
         r = plan.remote
         try:
-            for source in read_sources(r.tp_size, self.tp_size, self.tp_rank):
+            for source in self.sources_for(r.tp_size):
                 client.request(r.remote_host, r.remote_port + source.p_rank,
                                Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers))
         except Exception as exc:  # P's hold timeout frees the blocks in the end
@@ -200,7 +210,5 @@ class PullLoop:
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:
-    from vllm_kvp2p.lifecycle.consumer import Outcome
-
     outcome = Outcome.FAILED if plan.awaiting else Outcome.NOTHING_TO_PULL
     return PullResult(plan.request_id, outcome, plan.awaiting, plan.local_block_ids, reason=f"internal error: {exc}")

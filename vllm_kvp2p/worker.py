@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.lifecycle.consumer import PullPlan, PullResult
+from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.protocol import RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.transfer.engine import MooncakeEngine
-from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, planes_of_layers
+from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry
 
 if TYPE_CHECKING:
     import torch
@@ -67,46 +68,60 @@ class WorkerSide:
         self.hold_service: HoldService | None = None
         self.pull_loop: PullLoop | None = None
         self._kv_caches: dict[str, Any] = {}
+        self.local: LocalKV | None = None
         self._reports: dict[str, PullReport] = {}
 
     # ------------------------------------------------------------------ start-up
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
+        model = self.vllm_config.model_config
         layers = [(name, [_view(t) for t in _tensors_of(entry)]) for name, entry in kv_caches.items()]
         num_blocks = self.kv_cache_config.num_blocks
-        planes = planes_of_layers(layers, num_blocks)
-        views = [v for _, vs in layers for v in vs]
-        regions = coalesce_regions(views)
+        use_mla = bool(model.use_mla)
+        local_heads = 1 if use_mla else model.get_num_kv_heads(self.vllm_config.parallel_config)
+        planes, shapes = kv_geometry(layers, num_blocks, self.block_size, local_heads)
+        regions = coalesce_regions([v for _, vs in layers for v in vs])
         first = _tensors_of(next(iter(kv_caches.values())))[0]
-
+        self.local = LocalKV(
+            planes=tuple(planes),
+            shapes=tuple(shapes),
+            block_size=self.block_size,
+            layer_names=tuple(kv_caches),
+            dtype=str(first.dtype).removeprefix("torch."),
+            total_num_kv_heads=1 if use_mla else model.get_total_num_kv_heads(),
+            use_mla=use_mla,
+        )
         with self.platform.service_threads():
-            self._start_services(kv_caches, planes, regions, num_blocks, first)
+            self._start_services(regions, first, num_blocks, local_heads, model.get_head_size())
 
-    def _start_services(self, kv_caches: dict[str, Any], planes: list, regions: list, num_blocks: int,
-                        first: torch.Tensor) -> None:
-        config = self.config
+    def _start_services(
+        self, regions: list[tuple[int, int]], first: torch.Tensor, num_blocks: int, local_heads: int, head_size: int
+    ) -> None:
+        config, local = self.config, self.local
         protocol = config.protocol or self.platform.default_protocol
         self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
         self.engine.register(regions, self.platform.memory_location(first))
         logger.info(
-            "rank %d: %d layers, %d KV planes of %d blocks, registered as %d region(s) (per-tensor path)",
-            self.tp_rank, len(kv_caches), len(planes), num_blocks, len(regions),
+            "rank %d: %d layers, %d KV planes of %d blocks (%s), registered as %d region(s) (per-tensor path)",
+            self.tp_rank, len(local.layer_names), len(local.planes), num_blocks,
+            "head-major" if local.shapes[0].head_major else "token-major", len(regions),
         )
-
-        model = self.vllm_config.model_config
         registration = RankRegistration(
             engine_id=self.engine_id,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             segment=self.engine.segment,
-            planes=planes,
-            layer_names=list(kv_caches),
+            planes=list(local.planes),
+            block_shapes=list(local.shapes),
+            layer_names=list(local.layer_names),
             block_size=self.block_size,
             num_blocks=num_blocks,
-            dtype=str(first.dtype).removeprefix("torch."),
-            num_kv_heads=model.get_num_kv_heads(self.vllm_config.parallel_config),
-            head_size=model.get_head_size(),
+            dtype=local.dtype,
+            num_kv_heads=local_heads,
+            total_num_kv_heads=local.total_num_kv_heads,
+            head_size=head_size,
+            use_mla=local.use_mla,
         )
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
@@ -120,8 +135,7 @@ class WorkerSide:
                 reader=f"{self.engine_id}:{self.tp_rank}",
                 tp_size=self.tp_size,
                 tp_rank=self.tp_rank,
-                local_planes=planes,
-                block_size=self.block_size,
+                local=local,
                 side_channel_timeout=config.side_channel_timeout,
                 claim_wait=config.claim_wait,
                 max_batch_entries=config.max_batch_entries,

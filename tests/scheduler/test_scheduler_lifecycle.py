@@ -536,12 +536,12 @@ def test_d_abort_while_waiting_for_blocks_releases_p():
     assert_scheduler_empty(sched)
 
 
-def test_d_block_size_mismatch_plan_fails_and_recomputes():
+def test_d_incompatible_block_size_plan_fails_and_recomputes():
     sched = d_scheduler(kv_load_failure_policy="recompute")
-    sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=remote_params(40, block_size=32)))
+    sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=remote_params(40, block_size=24)))
     st = step(sched)
     (plan,) = st.meta.pulls
-    assert plan.awaiting and "block size" in plan.error
+    assert plan.awaiting and "P uses 24, D uses 16; one must divide the other" in plan.error
     # The worker only releases P and reports the receive failed.
     step(sched, finished_recving={"d1"}, failed_recving={"d1"})
     st = step(sched)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from vllm_kvp2p.lifecycle.consumer import (
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
-    ConsumerSchedule,
     FetchRegistration,
     Finish,
+    LocalKV,
     Outcome,
-    PullPlan,
     ReadBatch,
     SendClaim,
     SendRelease,
@@ -17,7 +17,9 @@ from vllm_kvp2p.lifecycle.consumer import (
     Wait,
 )
 from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
+from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.slicing import BlockShape
 
 BS = 16
 
@@ -80,13 +82,30 @@ def test_non_p2p_requests_are_ignored() -> None:
     assert s.on_finished("d2", {"do_remote_decode": True}) is None
 
 
-def test_block_size_mismatch_fails_the_plan_not_the_engine() -> None:
+def test_incompatible_block_sizes_fail_the_plan_not_the_engine() -> None:
+    s = ConsumerSchedule(24)
+    plan = s.on_alloc("d1", params(), 60, [1, 2, 3], 0)
+    assert plan is not None and plan.awaiting and "P uses 16, D uses 24" in plan.error
+
+
+def test_larger_d_blocks_map_to_several_p_blocks() -> None:
     s = ConsumerSchedule(32)
-    plan = s.on_alloc("d1", params(), 60, [1, 2], 0)
-    assert plan is not None and plan.awaiting and "block size" in plan.error
+    plan = s.on_alloc("d1", params(), 28, [5], 32)  # tokens 32..59 of P's 16-token blocks 12, 13
+    assert plan is not None and not plan.error
+    assert plan.remote_block_ids == (12, 13) and plan.remote_token_offset == 0
+
+
+def test_smaller_d_blocks_start_inside_a_p_block() -> None:
+    s = ConsumerSchedule(8)
+    plan = s.on_alloc("d1", params(), 36, [5, 6, 7, 8, 9], 24)  # token 24 is token 8 of P's block 11
+    assert plan is not None and not plan.error
+    assert plan.remote_block_ids == (11, 12, 13) and plan.remote_token_offset == 8
 
 
 # ----------------------------------------------------------------------------- pull
+
+
+SHAPE = BlockShape(True, 2, BS, 16)  # 2 heads x 16 tokens x 16 B = 512 B blocks
 
 
 def planes(base: int, n: int = 2) -> list[PlaneGeometry]:
@@ -94,12 +113,17 @@ def planes(base: int, n: int = 2) -> list[PlaneGeometry]:
 
 
 def registration(engine: str = "P", n_planes: int = 2) -> RankRegistration:
-    return RankRegistration(engine, 0, 1, "127.0.0.1:15000", planes(1 << 30, n_planes), ["l0", "l1"], BS, 100,
-                            "float32", 2, 64)
+    return RankRegistration(engine, 0, 1, "127.0.0.1:15000", planes(1 << 30, n_planes), [SHAPE] * n_planes,
+                            ["l0", "l1"], BS, 100, "float32", 2, 2, 8)
+
+
+SRC = Source(0, 1, (HeadSlice(0, 0, 0, 2),))
+LOCAL = LocalKV(tuple(planes(1 << 20)), (SHAPE, SHAPE), BS, ("l0", "l1"), "float32", 2)
 
 
 def pull(plan: PullPlan, **kw) -> ConsumerPull:
-    return ConsumerPull(plan, [Source(0)], "d:0", planes(1 << 20), BS, claim_wait=1.0,
+    source = Source(0, 1, (HeadSlice(0, 0, 0, 2),))
+    return ConsumerPull(plan, [source], "d:0", LOCAL, claim_wait=1.0,
                         max_batch_entries=kw.get("max_batch_entries", 1024), now=0.0)
 
 
@@ -110,10 +134,10 @@ def awaiting_plan() -> PullPlan:
 def test_happy_path_sequence() -> None:
     job = pull(awaiting_plan(), max_batch_entries=2)
     assert isinstance(job.next_action(0), FetchRegistration)
-    job.on_registration(Source(0), registration())
+    job.on_registration(SRC, registration())
     claim = job.next_action(0)
     assert isinstance(claim, SendClaim) and claim.message.hold_id == "hold"
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
     reads = []
     while isinstance(action := job.next_action(1), ReadBatch):
         reads.append(action)
@@ -132,12 +156,12 @@ def test_happy_path_sequence() -> None:
 def test_unknown_claim_is_retried_then_refused_after_claim_wait() -> None:
     job = pull(awaiting_plan())
     job.next_action(0)
-    job.on_registration(Source(0), registration())
+    job.on_registration(SRC, registration())
     job.next_action(0)
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.UNKNOWN), now=0.1)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=0.1)
     assert isinstance(job.next_action(0.11), Wait)
     assert isinstance(job.next_action(0.2), SendClaim)
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.UNKNOWN), now=1.5)  # past claim_wait
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=1.5)  # past claim_wait
     rel = job.next_action(1.5)
     assert isinstance(rel, SendRelease) and not rel.message.pulled
     job.on_release_sent(rel.source)
@@ -148,18 +172,18 @@ def test_unknown_claim_is_retried_then_refused_after_claim_wait() -> None:
 def test_refused_claim_fails_and_still_releases() -> None:
     job = pull(awaiting_plan())
     job.next_action(0)
-    job.on_registration(Source(0), registration())
+    job.on_registration(SRC, registration())
     job.next_action(0)
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.REFUSED, reason="blocks already expired"), now=0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.REFUSED, reason="blocks already expired"), now=0)
     assert isinstance(job.next_action(0), SendRelease)
 
 
 def test_lease_is_renewed_during_long_reads() -> None:
     job = pull(awaiting_plan(), max_batch_entries=1)
     job.next_action(0)
-    job.on_registration(Source(0), registration())
+    job.on_registration(SRC, registration())
     job.next_action(0)
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=3), now=0)  # renew at t=1
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=3), now=0)  # renew at t=1
     action = job.next_action(0.5)
     assert isinstance(action, ReadBatch)
     job.on_batch_done(action.source, True)
@@ -172,9 +196,9 @@ def test_lease_is_renewed_during_long_reads() -> None:
 def test_failed_read_fails_and_releases() -> None:
     job = pull(awaiting_plan())
     job.next_action(0)
-    job.on_registration(Source(0), registration())
+    job.on_registration(SRC, registration())
     job.next_action(0)
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)
     read = job.next_action(0)
     job.on_batch_done(read.source, False, "rc -1")
     rel = job.next_action(0)
@@ -186,11 +210,11 @@ def test_failed_read_fails_and_releases() -> None:
 def test_incompatible_registration_fails_with_both_values() -> None:
     job = pull(awaiting_plan())
     job.next_action(0)
-    job.on_registration(Source(0), registration(n_planes=3))
+    job.on_registration(SRC, registration(n_planes=3))
     rel = job.next_action(0)
     job.on_release_sent(rel.source)
     reason = job.next_action(0).result.reason
-    assert "P has 3" in reason and "D has 2" in reason
+    assert "P has 3 KV planes, D has 2" in reason
 
 
 def test_nothing_to_pull_only_releases_and_is_never_reported() -> None:
@@ -205,5 +229,5 @@ def test_nothing_to_pull_only_releases_and_is_never_reported() -> None:
 
 def test_stale_results_are_ignored() -> None:
     job = pull(awaiting_plan())
-    job.on_claim_reply(Source(0), ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)  # not claiming yet
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)  # not claiming yet
     assert isinstance(job.next_action(0), FetchRegistration)

@@ -11,11 +11,12 @@ import torch
 
 from tests.support.ports import free_port
 from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.lifecycle.consumer import Outcome, PullPlan
+from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.transfer.engine import MooncakeEngine
-from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, planes_of_layers
+from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry
 
 NUM_LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
 P_BLOCKS, D_BLOCKS = 40, 33  # ranks and instances may differ in block count
@@ -33,25 +34,31 @@ def _planes(kv: dict[str, torch.Tensor], num_blocks: int):
     layers = [
         (n, [TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())]) for n, t in kv.items()
     ]
-    return planes_of_layers(layers, num_blocks), coalesce_regions([v for _, vs in layers for v in vs])
+    planes, shapes = kv_geometry(layers, num_blocks, BLOCK, HEADS)
+    return planes, shapes, coalesce_regions([v for _, vs in layers for v in vs])
+
+
+def _local(kv: dict[str, torch.Tensor], num_blocks: int) -> tuple[LocalKV, list]:
+    planes, shapes, regions = _planes(kv, num_blocks)
+    return LocalKV(tuple(planes), tuple(shapes), BLOCK, tuple(kv), "float32", HEADS), regions
 
 
 class Pair:
     def __init__(self, hold_timeout: float = 30.0, lease_timeout: float = 30.0) -> None:
         self.p_kv, self.d_kv = _kv(P_BLOCKS, 1), _kv(D_BLOCKS, 2)
-        p_planes, p_regions = _planes(self.p_kv, P_BLOCKS)
-        d_planes, d_regions = _planes(self.d_kv, D_BLOCKS)
+        p_planes, p_shapes, p_regions = _planes(self.p_kv, P_BLOCKS)
+        d_local, d_regions = _local(self.d_kv, D_BLOCKS)
         self.p_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
         self.p_engine.register(p_regions)
         self.d_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
         self.d_engine.register(d_regions)
         self.port = free_port()
         self.engine_id = "p-" + uuid.uuid4().hex[:6]
-        reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, list(self.p_kv), BLOCK,
-                               P_BLOCKS, "float32", HEADS, HEAD)
+        reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, p_shapes, list(self.p_kv),
+                               BLOCK, P_BLOCKS, "float32", HEADS, HEADS, HEAD)
         self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=hold_timeout, lease_timeout=lease_timeout)
-        self.pulls = PullLoop(self.d_engine, reader="d:0", tp_size=1, tp_rank=0, local_planes=d_planes,
-                              block_size=BLOCK, side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4)
+        self.pulls = PullLoop(self.d_engine, reader="d:0", tp_size=1, tp_rank=0, local=d_local,
+                              side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4)
 
     def plan(self, request_id: str, remote_ids: list[int], local_ids: list[int], hold_id: str = "h1",
              awaiting: bool = True) -> PullPlan:
@@ -137,9 +144,9 @@ def test_nothing_to_pull_still_releases_p_and_is_not_reported(pair: Pair) -> Non
 def test_dead_p_fails_fast() -> None:
     d_engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
     kv = _kv(4, 3)
-    planes, regions = _planes(kv, 4)
+    local, regions = _local(kv, 4)
     d_engine.register(regions)
-    loop = PullLoop(d_engine, reader="d:0", tp_size=1, tp_rank=0, local_planes=planes, block_size=BLOCK,
+    loop = PullLoop(d_engine, reader="d:0", tp_size=1, tp_rank=0, local=local,
                     side_channel_timeout=0.5, claim_wait=0.5, max_batch_entries=8)
     try:
         remote = RemotePrefill("gone", "r", "127.0.0.1", free_port(), [0], "h", BLOCK, BLOCK)

@@ -18,6 +18,7 @@ from itertools import product
 from math import prod
 
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.slicing import BlockShape
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,39 @@ def coalesce_regions(views: Sequence[TensorView]) -> list[tuple[int, int]]:
         else:
             merged.append([start, end])
     return [(s, e - s) for s, e in merged]
+
+
+def block_shape_of(view: TensorView, num_blocks: int, block_size: int, num_heads: int, name: str = "") -> BlockShape:
+    """The inside of one block of ``view``: which of (heads, tokens) comes first, and the bytes of one cell.
+
+    Accepts ``[..., num_blocks, heads, tokens, inner]`` (head-major, vLLM's CPU layout),
+    ``[..., num_blocks, tokens, heads, inner]`` (token-major, NPU/flash layouts) and
+    ``[..., num_blocks, tokens, inner]`` (one head: MLA latent caches)."""
+    block_dim = view.shape.index(num_blocks)
+    inner = view.shape[block_dim + 1 :]
+    cell = view.element_size * (inner[-1] if inner else 1)
+    if len(inner) == 3:
+        a, b, _ = inner
+        if a == num_heads and b == block_size:
+            return BlockShape(True, num_heads, block_size, cell)
+        if a == block_size and b == num_heads:
+            return BlockShape(False, num_heads, block_size, cell)
+    if len(inner) == 2 and inner[0] == block_size:
+        return BlockShape(False, 1, block_size, cell)
+    raise LayoutError(
+        f"{name}: cannot find {num_heads} KV heads and {block_size} tokens per block in shape {view.shape}"
+    )
+
+
+def kv_geometry(
+    layers: Sequence[tuple[str, Sequence[TensorView]]], num_blocks: int, block_size: int, num_heads: int
+) -> tuple[list[PlaneGeometry], list[BlockShape]]:
+    """Planes of all layers (as :func:`planes_of_layers`) and the block shape of each plane."""
+    planes: list[PlaneGeometry] = []
+    shapes: list[BlockShape] = []
+    for name, views in layers:
+        for i, view in enumerate(views):
+            got = planes_of(view, num_blocks, f"{name}[{i}]")
+            planes.extend(got)
+            shapes.extend([block_shape_of(view, num_blocks, block_size, num_heads, f"{name}[{i}]")] * len(got))
+    return planes, shapes

@@ -1,0 +1,361 @@
+"""D side, worker half: one :class:`~vllm_kvp2p.lifecycle.consumer.PullPlan` carried out on one D rank. Pure:
+no sockets, threads, clocks or torch.
+
+For every P rank the TP mapping names: ``registration -> claim -> read batches (renewing the lease)``; then a
+release to every P rank (read or only notified), then :class:`Finish`. The pull thread performs each returned
+action and feeds back the result, as an h11-style state machine. Any failure skips straight to the releases, so
+P is released in every outcome.
+
+The completion rule lives in :attr:`PullResult.report_finished`: vLLM parked the request in
+``WAITING_FOR_REMOTE_KVS`` only when it asked for external tokens (:attr:`PullPlan.awaiting`), and only then may
+the receive be reported (reporting it for a RUNNING request kills vLLM's scheduler).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
+from vllm_kvp2p.tp_mapping import HeadSlice
+from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
+from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
+
+
+@dataclass(frozen=True)
+class LocalKV:
+    """This D rank's KV memory and model geometry, as its registration describes it."""
+
+    planes: tuple[PlaneGeometry, ...]
+    shapes: tuple[BlockShape, ...]
+    block_size: int
+    layer_names: tuple[str, ...]
+    dtype: str
+    total_num_kv_heads: int
+    use_mla: bool = False
+
+
+@dataclass(frozen=True)
+class Source:
+    """One P rank this D rank talks to for a request: reads ``slices`` from it (none: only releases it)."""
+
+    p_rank: int
+    expected_readers: int = 1  # D ranks that will release this P rank for the request (same on every D rank)
+    slices: tuple[HeadSlice, ...] = ()
+
+
+@dataclass(frozen=True)
+class FetchRegistration:
+    source: Source
+
+
+@dataclass(frozen=True)
+class SendClaim:
+    source: Source
+    message: Claim
+
+
+@dataclass(frozen=True)
+class Wait:
+    until: float
+
+
+@dataclass(frozen=True)
+class ReadBatch:
+    source: Source
+    segment: str
+    descriptors: Descriptors
+
+
+@dataclass(frozen=True)
+class SendRenew:
+    source: Source
+    message: Renew
+
+
+@dataclass(frozen=True)
+class SendRelease:
+    source: Source
+    message: Release
+
+
+class Outcome(enum.Enum):
+    PULLED = "pulled"
+    FAILED = "failed"
+    NOTHING_TO_PULL = "nothing_to_pull"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    request_id: str
+    outcome: Outcome
+    awaiting: bool
+    local_block_ids: tuple[int, ...]
+    num_blocks: int = 0
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    reason: str = ""
+
+    @property
+    def report_finished(self) -> bool:
+        """Report the receive to vLLM only if vLLM is waiting for it (see the module docstring)."""
+        return self.awaiting
+
+    @property
+    def report_failed(self) -> bool:
+        return self.awaiting and self.outcome is Outcome.FAILED
+
+
+@dataclass(frozen=True)
+class Finish:
+    result: PullResult
+
+
+Action = Union[FetchRegistration, SendClaim, Wait, ReadBatch, SendRenew, SendRelease, Finish]
+
+
+class _Phase(enum.Enum):
+    REGISTRATION = 1
+    CLAIM = 2
+    READ = 3
+    RELEASE = 4
+    DONE = 5
+
+
+@dataclass
+class _SourceState:
+    source: Source
+    registration: RankRegistration | None = None
+    claim_deadline: float = 0.0  # give up waiting for P to learn of the hold
+    retry_at: float = 0.0
+    renew_at: float = 0.0
+    lease: float = 0.0
+    batches: list[Descriptors] = field(default_factory=list)
+    released: bool = False
+
+
+class ConsumerPull:
+    """One plan's pull on one D rank."""
+
+    def __init__(
+        self,
+        plan: PullPlan,
+        sources: Sequence[Source],
+        reader: str,
+        local: LocalKV,
+        *,
+        claim_wait: float,
+        max_batch_entries: int,
+        now: float,
+    ) -> None:
+        self.plan = plan
+        self.reader = reader
+        self.local = local
+        self.claim_wait = claim_wait
+        self.max_batch_entries = max_batch_entries
+        self._sources = [_SourceState(s, claim_deadline=now + claim_wait) for s in sources]
+        self._readable = [i for i, st in enumerate(self._sources) if st.source.slices]
+        self._cursor = 0  # index into _readable
+        self._bytes = 0
+        self._descriptors = 0
+        self._failure = plan.error
+        nothing = not plan.local_block_ids or not plan.awaiting or not self._readable
+        self._phase = _Phase.RELEASE if (nothing or self._failure) else _Phase.REGISTRATION
+        if plan.awaiting and plan.local_block_ids and not self._readable and not self._failure:
+            self._failure = "the TP mapping gives this D rank nothing to read"
+        self._result: PullResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._phase is _Phase.DONE
+
+    # ------------------------------------------------------------------ driving
+
+    def next_action(self, now: float) -> Action:
+        if self._phase is _Phase.DONE:
+            assert self._result is not None
+            return Finish(self._result)
+        if self._phase is _Phase.RELEASE:
+            for st in self._sources:
+                if not st.released:
+                    return SendRelease(st.source, self._release(st.source))
+            self._phase = _Phase.DONE
+            self._result = self._make_result()
+            return Finish(self._result)
+        st = self._sources[self._readable[self._cursor]]
+        if self._phase is _Phase.REGISTRATION:
+            return FetchRegistration(st.source)
+        if self._phase is _Phase.CLAIM:
+            if now < st.retry_at:
+                return Wait(st.retry_at)
+            return SendClaim(st.source, self._claim(st.source))
+        # READ
+        if st.lease and now >= st.renew_at:
+            r = self.plan.remote
+            return SendRenew(st.source, Renew(r.remote_request_id, r.remote_hold_id, self.reader))
+        assert st.registration is not None
+        return ReadBatch(st.source, st.registration.segment, st.batches[0])
+
+    def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "") -> None:
+        st = self._current(source, _Phase.REGISTRATION)
+        if st is None:
+            return
+        if registration is None:
+            return self._fail(f"no registration from P rank {source.p_rank}: {error}")
+        problem = self._incompatible(registration)
+        if problem:
+            return self._fail(f"P rank {source.p_rank} is incompatible: {problem}")
+        try:
+            descriptors = self._descriptors_for(source, registration)
+        except ValueError as exc:
+            return self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}")
+        st.registration = registration
+        st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
+        self._descriptors += len(descriptors)
+        self._phase = _Phase.CLAIM
+
+    def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
+        st = self._current(source, _Phase.CLAIM)
+        if st is None:
+            return
+        if reply is None:
+            return self._fail(f"claim on P rank {source.p_rank} failed: {error}")
+        if reply.status is ClaimStatus.GRANTED:
+            st.lease = reply.lease
+            st.renew_at = now + reply.lease / 3
+            self._phase = _Phase.READ
+            if not st.batches:
+                self._next_source()
+            return
+        if reply.status is ClaimStatus.UNKNOWN and now < st.claim_deadline:
+            st.retry_at = now + min(0.05, max(0.0, st.claim_deadline - now))
+            return
+        if reply.status is ClaimStatus.REFUSED:
+            why = reply.reason
+        else:
+            why = f"P never learned of the hold in {self.claim_wait:g}s"
+        self._fail(f"P rank {source.p_rank} refused the claim: {why}")
+
+    def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
+        st = self._current(source, _Phase.READ)
+        if st is None:
+            return
+        if reply is None or reply.status is not ClaimStatus.GRANTED:
+            reason = error if reply is None else reply.reason
+            return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reason}")
+        st.renew_at = now + reply.lease / 3
+
+    def on_batch_done(self, source: Source, ok: bool, error: str = "") -> None:
+        st = self._current(source, _Phase.READ)
+        if st is None:
+            return
+        if not ok:
+            segment = st.registration.segment if st.registration else "?"
+            return self._fail(f"read from P rank {source.p_rank} ({segment}) failed: {error}")
+        batch = st.batches.pop(0)
+        self._bytes += batch.total_bytes
+        if not st.batches:
+            self._next_source()
+
+    def on_release_sent(self, source: Source) -> None:
+        for st in self._sources:
+            if st.source == source:
+                st.released = True
+
+    # ------------------------------------------------------------------ internals
+
+    def _current(self, source: Source, phase: _Phase) -> _SourceState | None:
+        if self._phase is not phase or self._cursor >= len(self._readable):
+            return None
+        st = self._sources[self._readable[self._cursor]]
+        if st.source != source:
+            return None  # a stale result for a step we already left; ignore
+        return st
+
+    def _next_source(self) -> None:
+        self._cursor += 1
+        self._phase = _Phase.RELEASE if self._cursor >= len(self._readable) else _Phase.REGISTRATION
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self._phase = _Phase.RELEASE
+
+    def _claim(self, source: Source) -> Claim:
+        r = self.plan.remote
+        return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers)
+
+    def _release(self, source: Source) -> Release:
+        r = self.plan.remote
+        pulled = not self._failure and bool(source.slices) and bool(self.plan.local_block_ids) and self.plan.awaiting
+        return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, pulled)
+
+    def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
+        plan, local = self.plan, self.local
+        remote_shapes = tuple(reg.block_shapes)
+        whole_blocks = (
+            len(source.slices) == 1
+            and reg.block_size == local.block_size
+            and plan.remote_token_offset == 0
+            and remote_shapes == local.shapes
+            and all(source.slices[0] == _whole(sh, source.p_rank) for sh in local.shapes)
+        )
+        if whole_blocks:  # block for block: the merged-runs fast path (C++ when built)
+            return build_descriptors(local.planes, reg.planes, plan.local_block_ids, plan.remote_block_ids)
+        chunks = token_chunks(
+            plan.local_block_ids, local.block_size, plan.remote_block_ids, reg.block_size, plan.remote_token_offset
+        )
+        out = Descriptors([], [], [])
+        for s in source.slices:
+            d = build_sliced_descriptors(local.planes, local.shapes, reg.planes, remote_shapes, chunks,
+                                         s.local_head, s.remote_head, s.num_heads)
+            out.local_addrs.extend(d.local_addrs)
+            out.remote_addrs.extend(d.remote_addrs)
+            out.lengths.extend(d.lengths)
+        return out
+
+    def _incompatible(self, reg: RankRegistration) -> str:
+        r, local = self.plan.remote, self.local
+        if reg.engine_id != r.remote_engine_id:
+            return f"its side channel answers for engine {reg.engine_id}, the params name engine {r.remote_engine_id}"
+        if len(reg.layer_names) != len(local.layer_names):
+            return f"P has {len(reg.layer_names)} KV layers, D has {len(local.layer_names)}"
+        if reg.dtype != local.dtype:
+            return f"KV cache dtype: P uses {reg.dtype}, D uses {local.dtype}"
+        if reg.use_mla != local.use_mla:
+            return f"MLA: P {reg.use_mla}, D {local.use_mla}"
+        if reg.total_num_kv_heads != local.total_num_kv_heads:
+            return f"total KV heads: P has {reg.total_num_kv_heads}, D has {local.total_num_kv_heads}"
+        if len(reg.planes) != len(local.planes):
+            return f"P has {len(reg.planes)} KV planes, D has {len(local.planes)}"
+        for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
+            if p_sh.inner_bytes != d_sh.inner_bytes:
+                return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
+        if reg.block_size % local.block_size and local.block_size % reg.block_size:
+            return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
+        return ""
+
+    def _make_result(self) -> PullResult:
+        plan = self.plan
+        if self._failure:
+            outcome = Outcome.FAILED
+        elif not plan.local_block_ids or not plan.awaiting:
+            outcome = Outcome.NOTHING_TO_PULL
+        else:
+            outcome = Outcome.PULLED
+        return PullResult(
+            request_id=plan.request_id,
+            outcome=outcome,
+            awaiting=plan.awaiting,
+            local_block_ids=plan.local_block_ids,
+            num_blocks=plan.num_blocks if outcome is Outcome.PULLED else 0,
+            num_bytes=self._bytes,
+            num_descriptors=self._descriptors,
+            reason=self._failure,
+        )
+
+
+def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:
+    return HeadSlice(p_rank, 0, 0, shape.num_heads)

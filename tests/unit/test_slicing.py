@@ -60,7 +60,7 @@ def test_every_pulled_cell_lands_where_it_belongs(p_bs_exp, d_bs_exp, p_heads, d
                         remote_mem[cell_addr(pl, sh, b, h, t) + k] = hash((pi, b, h, t, k)) & 0xFF
     local_mem: dict[int, int] = {}
     apply(desc, local_mem, remote_mem)
-    for pi, (dl, ds, pl, ps) in enumerate(zip(d_planes, d_shapes, p_planes, p_shapes)):
+    for dl, ds, pl, ps in zip(d_planes, d_shapes, p_planes, p_shapes):
         for tok in range(n_tokens):
             pos = first_token + tok
             for h in range(n_heads):

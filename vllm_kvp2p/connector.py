@@ -39,6 +39,13 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None and kv_config.engine_id is not None
         self.config = KVP2PConfig.from_sources(kv_config.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} supports tensor and data parallelism; got "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+                f"decode_context_parallel_size={parallel.decode_context_parallel_size}"
+            )
         self.engine_id: str = kv_config.engine_id
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None

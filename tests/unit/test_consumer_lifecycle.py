@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
@@ -231,3 +233,26 @@ def test_stale_results_are_ignored() -> None:
     job = pull(awaiting_plan())
     job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30), now=0)  # not claiming yet
     assert isinstance(job.next_action(0), FetchRegistration)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"engine_id": "other"}, "answers for engine other, the params name engine P"),
+    ({"layer_names": ["l0", "l1", "l2"]}, "P has 3 KV layers, D has 2"),
+    ({"dtype": "bfloat16"}, "KV cache dtype: P uses bfloat16, D uses float32"),
+    ({"total_num_kv_heads": 4}, "total KV heads: P has 4, D has 2"),
+    ({"use_mla": True}, "MLA: P True, D False"),
+    ({"block_shapes": [BlockShape(True, 2, BS, 32)] * 2}, "bytes per head and token: P 32, D 16 (head size)"),
+    ({"block_size": 24}, "block size: P uses 24, D uses 16; one must divide the other"),
+])
+def test_incompatible_geometry_is_refused_at_handshake_with_both_values(change: dict, message: str) -> None:
+    import msgspec
+
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(SRC, msgspec.structs.replace(registration(), **change))
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease)  # P is still released
+    job.on_release_sent(rel.source)
+    result = job.next_action(0).result
+    assert result.outcome is Outcome.FAILED and result.report_failed
+    assert message in result.reason

@@ -1,0 +1,40 @@
+"""Data and tensor parallel addressing: every (DP rank, TP rank) of an instance has its own side-channel port, the
+scheduler advertises exactly the port its rank-0 worker listens on, and P's params carry its TP size."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.scheduler.harness import make_vllm_config
+from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.scheduler import SchedulerSide
+
+
+@pytest.mark.parametrize(("dp_rank", "tp_size"), [(0, 1), (1, 1), (1, 2), (3, 4)])
+def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size: int) -> None:
+    vllm_config = make_vllm_config("kv_producer")
+    vllm_config.parallel_config.tensor_parallel_size = tp_size
+    vllm_config.parallel_config.data_parallel_rank = dp_rank
+    config = KVP2PConfig.from_sources({"side_channel_port": 20000}, env={})
+    side = SchedulerSide(vllm_config, f"engine_dp{dp_rank}", config)
+    assert side.side_channel_port == 20000 + dp_rank * tp_size
+    worker_ports = {config.side_channel_port_for(dp_rank, tp_size, r) for r in range(tp_size)}
+    assert side.side_channel_port in worker_ports  # D adds the P rank to it
+
+    from vllm.v1.request import RequestStatus
+
+    request = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    delay, params = side.request_finished(request, [1, 2, 3])
+    remote = RemotePrefill.from_params(params)
+    assert delay and remote is not None
+    assert remote.tp_size == tp_size and remote.remote_port == side.side_channel_port
+
+
+def test_ports_of_all_ranks_of_two_dp_instances_never_collide() -> None:
+    config = KVP2PConfig.from_sources({}, env={})
+    ports = [config.side_channel_port_for(dp, 4, tp) for dp in range(8) for tp in range(4)]
+    assert len(set(ports)) == len(ports)

@@ -20,17 +20,28 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from vllm_kvp2p.proxy.balancer import LeastOutstandingBalancer
+from vllm_kvp2p.proxy.upstream import (
+    ERROR_BODY_SNIPPET,
+    PassThrough,
+    ProxyError,
+    RelayStreamingResponse,
+    check_status,
+    describe,
+    error_body,
+    normalize_url,
+    passthrough_response,
+    upstream_failure,
+)
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -48,122 +59,10 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _DROP_FOR_PREFILL: tuple[str, ...] = ("stream_options", "min_tokens", "min_completion_tokens")
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
 _FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
-# How much of an upstream error body goes into our error message.
-_ERROR_BODY_SNIPPET = 500
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
-
-
-def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` so paths can be appended verbatim."""
-    url = url.strip().rstrip("/")
-    if not url:
-        raise ValueError("empty instance url")
-    if "://" not in url:
-        url = "http://" + url
-    return url
-
-
-def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """OpenAI-shaped error (as vLLM sends it), so OpenAI clients surface ``message`` to the user."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-
-
-class ProxyError(Exception):
-    """A failure that becomes exactly one HTTP answer to the client."""
-
-    def __init__(self, status: int, message: str, err_type: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-
-    def to_response(self, request_id: str | None = None) -> JSONResponse:
-        """The OpenAI-shaped JSON error response."""
-        headers = {"X-Request-Id": request_id} if request_id else None
-        return JSONResponse(error_body(self.message, self.err_type, self.status), self.status, headers=headers)
-
-
-class PassThrough(Exception):
-    """An upstream 4xx: the client's fault (e.g. prompt too long), so its answer goes back unchanged."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(f"upstream answered {response.status_code}")
-        self.response = response
-
-
-def _passthrough_response(resp: httpx.Response, headers: dict[str, str] | None = None) -> Response:
-    """Copy an upstream (fully read) answer: body bytes, status and content type."""
-    return Response(
-        content=resp.content,
-        status_code=resp.status_code,
-        media_type=resp.headers.get("content-type"),
-        headers=headers,
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    """``ConnectError: [Errno 111] Connection refused`` - httpx messages can be empty, keep the class name."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _upstream_failure(role: str, url: str, exc: BaseException, timeout_s: float) -> ProxyError:
-    """Map a transport failure on ``url`` to a 504 (timed out) or 502 (anything else)."""
-    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
-        return ProxyError(
-            504,
-            f"{role} instance {url} timed out (limit {timeout_s:g}s): {_describe(exc)}",
-            "upstream_timeout",
-        )
-    return ProxyError(502, f"{role} instance {url} unreachable: {_describe(exc)}", "upstream_unavailable")
-
-
-def _check_status(role: str, url: str, resp: httpx.Response, extra_headers: dict[str, str]) -> None:
-    """4xx -> pass through; 5xx and other non-2xx -> 502 naming the instance; 2xx -> nothing."""
-    status = resp.status_code
-    if 200 <= status < 300:
-        return
-    if 400 <= status < 500:
-        raise PassThrough(_passthrough_response(resp, extra_headers))
-    snippet = resp.text[:_ERROR_BODY_SNIPPET]
-    raise ProxyError(502, f"{role} instance {url} failed with HTTP {status}: {snippet}", "upstream_error")
-
-
-class _RelayStreamingResponse(StreamingResponse):
-    """StreamingResponse that always runs ``on_close`` and closes the upstream stream when it ends.
-
-    The relay generator's own ``finally`` is not enough: if the client disconnects before the generator starts,
-    or while it is suspended at a ``yield``, it is never resumed, so the decode slot would leak.
-    """
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        *,
-        upstream: httpx.Response,
-        on_close: Callable[[], None],
-        status_code: int,
-        media_type: str | None,
-        headers: dict[str, str],
-    ) -> None:
-        super().__init__(content, status_code=status_code, media_type=media_type, headers=headers)
-        self._upstream = upstream
-        self._on_close = on_close
-        self._content = content
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self._content, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self._upstream.aclose()
 
 
 class PDProxy:
@@ -240,14 +139,14 @@ class PDProxy:
             with anyio.fail_after(self._remaining(deadline)):
                 resp = await self.client.post(url + path, json=body, headers=headers)
         except (TimeoutError, httpx.HTTPError) as exc:
-            raise _upstream_failure("prefill", url, exc, self.timeout_s) from exc
-        _check_status("prefill", url, resp, {"X-Request-Id": rid})
+            raise upstream_failure("prefill", url, exc, self.timeout_s) from exc
+        check_status("prefill", url, resp, {"X-Request-Id": rid})
         try:
             data = resp.json()
         except ValueError as exc:
             raise ProxyError(
                 502,
-                f"prefill instance {url} returned invalid JSON: {resp.text[:_ERROR_BODY_SNIPPET]}",
+                f"prefill instance {url} returned invalid JSON: {resp.text[:ERROR_BODY_SNIPPET]}",
                 "upstream_error",
             ) from exc
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
@@ -337,9 +236,9 @@ class PDProxy:
             with anyio.fail_after(self._remaining(deadline)):
                 resp = await self.client.post(url + path, json=body, headers=headers)
         except (TimeoutError, httpx.HTTPError) as exc:
-            raise _upstream_failure("decode", url, exc, self.timeout_s) from exc
-        _check_status("decode", url, resp, info_headers)
-        return _passthrough_response(resp, info_headers)
+            raise upstream_failure("decode", url, exc, self.timeout_s) from exc
+        check_status("decode", url, resp, info_headers)
+        return passthrough_response(resp, info_headers)
 
     async def _decode_stream(
         self,
@@ -366,10 +265,10 @@ class PDProxy:
             if resp is not None:
                 with anyio.CancelScope(shield=True):
                     await resp.aclose()
-            raise _upstream_failure("decode", url, exc, self.timeout_s) from exc
+            raise upstream_failure("decode", url, exc, self.timeout_s) from exc
         if not 200 <= resp.status_code < 300:
             await resp.aclose()
-            _check_status("decode", url, resp, info_headers)
+            check_status("decode", url, resp, info_headers)
 
         released = False
 
@@ -379,7 +278,7 @@ class PDProxy:
                 released = True
                 self.decode.release(url)
 
-        return _RelayStreamingResponse(
+        return RelayStreamingResponse(
             self._relay(resp, url, rid),
             upstream=resp,
             on_close=release,
@@ -397,7 +296,7 @@ class PDProxy:
                     tail = (tail + chunk)[-2:]
                     yield chunk
         except Exception as exc:  # noqa: BLE001 - any failure must still end the stream cleanly
-            err = _upstream_failure("decode", url, exc, self.timeout_s)
+            err = upstream_failure("decode", url, exc, self.timeout_s)
             message = f"stream interrupted: {err.message}"
             logger.warning("request %s: %s", rid, message)
             # Terminate a half-sent event first so the error event parses on its own.
@@ -419,14 +318,14 @@ class PDProxy:
                 with anyio.fail_after(self._remaining(deadline)):
                     resp = await self.client.get(url + "/v1/models", headers=headers)
             except (TimeoutError, httpx.HTTPError) as exc:
-                return _upstream_failure("decode", url, exc, self.timeout_s).to_response()
+                return upstream_failure("decode", url, exc, self.timeout_s).to_response()
         try:
-            _check_status("decode", url, resp, {})
+            check_status("decode", url, resp, {})
         except ProxyError as exc:
             return exc.to_response()
         except PassThrough as exc:
             return exc.response
-        return _passthrough_response(resp)
+        return passthrough_response(resp)
 
     async def _probe(self, url: str) -> tuple[bool, str | None]:
         """Is ``url``'s ``/health`` answering 200 within the probe timeout?"""
@@ -434,7 +333,7 @@ class PDProxy:
             with anyio.fail_after(self.health_probe_timeout_s):
                 resp = await self.client.get(url + "/health")
         except (TimeoutError, httpx.HTTPError) as exc:
-            return False, _describe(exc)
+            return False, describe(exc)
         if resp.status_code != 200:
             return False, f"HTTP {resp.status_code}"
         return True, None

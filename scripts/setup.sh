@@ -19,8 +19,8 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 stamp="$VENV/.kvp2p-stamp"
-want=$(cat pyproject.toml setup.py CMakeLists.txt csrc/* scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm_kvp2p._C, vllm, mooncake.engine" 2>/dev/null; then
+want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import torch, vllm_kvp2p._C, vllm_kvp2p._arena, vllm, mooncake.engine" 2>/dev/null; then
   echo "[setup] environment up to date"
   exit 0
 fi

@@ -115,7 +115,7 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
         return self.worker_side.build_worker_meta()
 
     def get_mem_pool_context(self) -> Any:
-        return self.worker_side.platform.mem_pool_context() if self.worker_side is not None else None
+        return self.worker_side.mem_pool_context() if self.worker_side is not None else None
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -8,6 +8,7 @@ never touches torch on the request path, except for the test-only corruption hoo
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.config import KVP2PConfig
@@ -16,6 +17,7 @@ from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.platform import KVPlatform
+from vllm_kvp2p.platform.base import KVArenaLike
 from vllm_kvp2p.protocol import RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
@@ -69,9 +71,36 @@ class WorkerSide:
         self.pull_loop: PullLoop | None = None
         self._kv_caches: dict[str, Any] = {}
         self.local: LocalKV | None = None
+        self.arena: KVArenaLike | None = None
         self._reports: dict[str, PullReport] = {}
 
     # ------------------------------------------------------------------ start-up
+
+    def mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """vLLM allocates the whole KV cache inside this context: from one arena, registered once."""
+        from vllm_kvp2p.arena import arena_size_for
+
+        self.arena = self.platform.kv_arena(arena_size_for(self.kv_cache_config))
+        if self.arena is None:
+            logger.info("no KV arena on this platform/build: KV tensors are registered one by one")
+            return None
+        return self.arena.scope()
+
+    def _regions(self, views: list[TensorView]) -> tuple[list[tuple[int, int]], str]:
+        """Memory regions to register, and which path produced them (logged once)."""
+        arena = self.arena
+        if arena is not None and all(arena.contains(v.data_ptr, v.nbytes_span) for v in views):
+            return [(arena.base, arena.size)], "one arena"
+        if arena is not None:
+            logger.warning("KV tensors were not allocated from the arena (vLLM did not use the hook?)")
+        regions = coalesce_regions(views)
+        limit = self.platform.max_registered_regions
+        if limit is not None and len(regions) > limit:
+            raise RuntimeError(
+                f"the KV cache needs {len(regions)} registered memory regions, above this platform's limit of "
+                f"{limit}; allocate it from the connector's arena (get_mem_pool_context) instead"
+            )
+        return regions, "per-tensor (touching tensors merged)"
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
@@ -81,7 +110,7 @@ class WorkerSide:
         use_mla = bool(model.use_mla)
         local_heads = 1 if use_mla else model.get_num_kv_heads(self.vllm_config.parallel_config)
         planes, shapes = kv_geometry(layers, num_blocks, self.block_size, local_heads)
-        regions = coalesce_regions([v for _, vs in layers for v in vs])
+        regions, how = self._regions([v for _, vs in layers for v in vs])
         first = _tensors_of(next(iter(kv_caches.values())))[0]
         self.local = LocalKV(
             planes=tuple(planes),
@@ -93,19 +122,20 @@ class WorkerSide:
             use_mla=use_mla,
         )
         with self.platform.service_threads():
-            self._start_services(regions, first, num_blocks, local_heads, model.get_head_size())
+            self._start_services(regions, how, first, num_blocks, local_heads, model.get_head_size())
 
     def _start_services(
-        self, regions: list[tuple[int, int]], first: torch.Tensor, num_blocks: int, local_heads: int, head_size: int
+        self, regions: list[tuple[int, int]], how: str, first: torch.Tensor, num_blocks: int, local_heads: int,
+        head_size: int,
     ) -> None:
         config, local = self.config, self.local
         protocol = config.protocol or self.platform.default_protocol
         self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
         self.engine.register(regions, self.platform.memory_location(first))
         logger.info(
-            "rank %d: %d layers, %d KV planes of %d blocks (%s), registered as %d region(s) (per-tensor path)",
+            "rank %d: %d layers, %d KV planes of %d blocks (%s), registered as %d region(s) (%s)",
             self.tp_rank, len(local.layer_names), len(local.planes), num_blocks,
-            "head-major" if local.shapes[0].head_major else "token-major", len(regions),
+            "head-major" if local.shapes[0].head_major else "token-major", len(regions), how,
         )
         registration = RankRegistration(
             engine_id=self.engine_id,

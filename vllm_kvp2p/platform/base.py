@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Protocol
+
+
+class KVArenaLike(Protocol):
+    """What the connector needs of a KV arena."""
+
+    base: int
+    size: int
+
+    def scope(self) -> AbstractContextManager[Any]: ...
+
+    def contains(self, ptr: int, nbytes: int = 1) -> bool: ...
 
 
 class KVPlatform(ABC):
@@ -21,9 +32,13 @@ class KVPlatform(ABC):
     def synchronize(self) -> None:
         """Wait until device work that wrote KV blocks (or reads them) has finished."""
 
-    def mem_pool_context(self) -> AbstractContextManager[None] | None:
-        """Allocator scope inside which vLLM allocates the KV cache (a single registrable arena), or None to let
-        vLLM allocate as usual and register tensor by tensor."""
+    #: Most memory regions one process may register (HCCL allows a few hundred); None: no limit known.
+    max_registered_regions: int | None = None
+
+    def kv_arena(self, size_bytes: int) -> KVArenaLike | None:
+        """One contiguous region the whole KV cache can be allocated from (see :mod:`vllm_kvp2p.arena`), or None
+        when this platform or build has none (vLLM then allocates as usual and tensors are registered one by
+        one, touching ones merged)."""
         return None
 
     def service_threads(self) -> AbstractContextManager[None]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vllm_kvp2p.platform.base import KVPlatform
+from vllm_kvp2p.platform.base import KVArenaLike, KVPlatform
 
 
 class CpuPlatform(KVPlatform):
@@ -20,6 +20,13 @@ class CpuPlatform(KVPlatform):
     def synchronize(self) -> None:
         # Host memory written by the forward pass is visible once the step returns.
         return None
+
+    def kv_arena(self, size_bytes: int) -> KVArenaLike | None:
+        from vllm_kvp2p import arena
+
+        if not arena.available():
+            return None
+        return arena.KvArena(size_bytes)
 
     @contextmanager
     def service_threads(self) -> Iterator[None]:

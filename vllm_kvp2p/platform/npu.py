@@ -13,6 +13,8 @@ from vllm_kvp2p.platform.base import KVPlatform
 class NpuPlatform(KVPlatform):
     name = "npu"
     default_protocol = "ascend"
+    # vllm-ascend hard-codes this HCCL per-process limit (MAX_HCCL_REGISTER_REGIONS).
+    max_registered_regions = 256
 
     def memory_location(self, tensor: Any) -> str:
         return f"npu:{tensor.device.index}"

@@ -94,3 +94,10 @@ def test_corrupted_transfer_changes_the_output(cluster: Cluster) -> None:
     corrupted = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
     assert corrupted["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
     assert max_logprob_gap(corrupted, baseline(cluster, prompt)) > 100 * LOGPROB_TOL
+
+
+def test_kv_cache_of_all_layers_is_one_registered_arena(cluster: Cluster) -> None:
+    """The connector's get_mem_pool_context put every layer's KV cache in one arena, registered once."""
+    for server in (cluster.prefill, cluster.decode):
+        log = server.log_path.read_text()
+        assert "registered as 1 region(s) (one arena)" in log, server.log_path

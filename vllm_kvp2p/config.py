@@ -48,6 +48,10 @@ class KVP2PConfig:
     side_channel_timeout: float = 5.0
     # How long D keeps retrying a claim P has not heard of yet (P learns of a hold one engine step late).
     claim_wait: float = 10.0
+    # Seconds an engine step that schedules no token sleeps. vLLM keeps stepping while P holds blocks or D waits
+    # for KV; at TP > 1 those empty steps (gloo collectives on every rank) take every core and starve the
+    # side channel and Mooncake threads for seconds. 0 disables.
+    idle_step_sleep: float = 0.005
     # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
     max_batch_entries: int = 1024
     # Test-only: D honours "kvp2p_test_corrupt": true in a request's kv_transfer_params by overwriting the blocks
@@ -97,6 +101,8 @@ class KVP2PConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value}: allowed values are numbers of seconds > 0")
+        if not 0 <= self.idle_step_sleep <= 0.1:
+            raise ConfigError(f"idle_step_sleep={self.idle_step_sleep}: allowed values are 0..0.1 seconds")
         if self.transfer_timeout < 5:
             raise ConfigError(
                 f"transfer_timeout={self.transfer_timeout}: allowed values are >= 5 seconds (Mooncake's minimum)"
@@ -167,6 +173,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "transfer_timeout": _as_float,
     "side_channel_timeout": _as_float,
     "claim_wait": _as_float,
+    "idle_step_sleep": _as_float,
     "max_batch_entries": _as_int,
     "test_hooks": _as_bool,
 }

@@ -7,6 +7,7 @@ into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -164,6 +165,9 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVP2PMetadata:
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.config.idle_step_sleep > 0:
+            # Only kept alive by holds or pending loads: yield the cores to the threads that move the KV.
+            time.sleep(self.config.idle_step_sleep)
         holds, self._holds = self._holds, []
         return KVP2PMetadata(holds=holds, pulls=self.consumer.take_plans())
 

@@ -141,7 +141,12 @@ class PullLoop:
                 job.on_renewed(action.source, reply, time.monotonic(), err)
             elif isinstance(action, ReadBatch):
                 try:
-                    self.engine.read(action.segment, action.descriptors)
+                    try:
+                        self.engine.read(action.segment, action.descriptors)
+                    except TransferEngineError as first:
+                        # The first read from a new peer opens its segment; under load that can fail once.
+                        logger.warning("read from %s failed (%s); retrying once", action.segment, first)
+                        self.engine.read(action.segment, action.descriptors)
                     job.on_batch_done(action.source, True)
                 except TransferEngineError as exc:
                     self._registrations.pop((plan.remote.remote_engine_id, action.source.p_rank), None)

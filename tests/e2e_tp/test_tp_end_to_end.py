@@ -1,0 +1,118 @@
+"""End to end with unequal tensor parallelism: P prefills at ``--tensor-parallel-size 2`` (each rank holds one of
+the tiny model's two KV heads), D decodes at TP 1 and must read its two heads from the two P ranks. Through the
+proxy, D's greedy tokens and logprobs must equal those of a single instance, D must have pulled every prompt block
+(and computed none of the prompt), and P must end holding no KV blocks.
+
+The single-instance baseline runs on P itself (plain request, own ``cache_salt``). P at TP 2 computes the same as an
+instance at TP 1 up to float32 noise: measured max logprob gap 3-5e-6 over the lengths below, far inside
+``LOGPROB_TOL`` (1e-4); ``test_tp2_prefill_computes_what_tp1_decode_computes`` checks it against D on every run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.e2e.helpers import (
+    BLOCK_SIZE,
+    BYTES_PER_BLOCK,
+    KV_HEADS,
+    LOGPROB_TOL,
+    baseline,
+    completion_body,
+    max_logprob_gap,
+    metric,
+    post,
+    prompt_ids,
+    tokens_and_logprobs,
+    wait_kv_idle,
+)
+from vllm_kvp2p.protocol import GetRegistration, Registration
+from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.side_channel import SideChannelClient
+
+if TYPE_CHECKING:
+    from tests.e2e_tp.conftest import TPCluster
+
+pytestmark = pytest.mark.e2e
+
+# Shorter than one block, exactly two blocks, several blocks with a partial last one, a few hundred tokens.
+LENGTHS = [10, 2 * BLOCK_SIZE, 5 * BLOCK_SIZE + 7, 300]
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def tokens_by_source(cluster: TPCluster) -> dict[str, float]:
+    return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+
+
+def test_prefill_runs_one_hold_service_per_rank_with_its_head_slice(tp_cluster: TPCluster) -> None:
+    base = tp_cluster.side_channel_port
+    log = tp_cluster.prefill.log_path.read_text(errors="replace")
+    for rank in range(tp_cluster.prefill_tp):
+        assert re.search(rf"KV hold service of rank {rank} listening on tcp://127\.0\.0\.1:{base + rank}\b", log)
+
+    client = SideChannelClient(timeout=10)
+    try:
+        regs = [client.request("127.0.0.1", base + r, GetRegistration(r)) for r in range(tp_cluster.prefill_tp)]
+    finally:
+        client.close()
+    assert all(isinstance(reg, Registration) for reg in regs)
+    layouts = [(reg.registration.tp_rank, reg.registration.tp_size, reg.registration.num_kv_heads) for reg in regs]
+    assert layouts == [(r, 2, KV_HEADS // 2) for r in range(2)]  # the 2 KV heads are split, one per rank
+    assert len({reg.registration.engine_id for reg in regs}) == 1
+
+
+def test_tp2_prefill_computes_what_tp1_decode_computes(tp_cluster: TPCluster) -> None:
+    """The baseline's premise: P at TP 2 and an engine at TP 1 (D, computing locally) agree within tolerance."""
+    for length in (64, 300):
+        prompt = prompt_ids(length, seed=length)
+        on_p = baseline(tp_cluster, prompt)
+        assert on_p.get("kv_transfer_params") is None  # a plain request: no KV hand-off
+        on_d = post(tp_cluster.decode.url + "/v1/completions", completion_body(prompt, cache_salt="d-local"))
+        assert max_logprob_gap(on_p, on_d) <= LOGPROB_TOL, (tokens_and_logprobs(on_p), tokens_and_logprobs(on_d))
+
+
+def test_prefill_returns_tp_size_2_params(tp_cluster: TPCluster) -> None:
+    """P's own answer to a prefill request names its TP size and rank 0's side-channel port; D finishes it."""
+    prompt = prompt_ids(100, seed=100)
+    p = post(tp_cluster.prefill.url + "/v1/completions",
+             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = p["kv_transfer_params"]
+    assert params["tp_size"] == 2
+    assert params["remote_port"] == tp_cluster.side_channel_port
+    assert params["remote_num_tokens"] == len(prompt)
+    assert len(params["remote_block_ids"]) == math.ceil(len(prompt) / BLOCK_SIZE)
+    assert params["do_remote_prefill"] is True
+    # Hand it to D (which also releases P's hold) and check the answer; the pull itself is judged below.
+    d = post(tp_cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    assert max_logprob_gap(d, baseline(tp_cluster, prompt)) <= LOGPROB_TOL
+    assert PULL_REPORT_KEY in d["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_tp2_prefill_tp1_decode_equals_single_instance(tp_cluster: TPCluster, length: int) -> None:
+    prompt = prompt_ids(length, seed=length)
+    before = tokens_by_source(tp_cluster)
+
+    pd = post(tp_cluster.proxy_url + "/v1/completions", completion_body(prompt))
+    single = baseline(tp_cluster, prompt)
+    report = pd["kv_transfer_params"][PULL_REPORT_KEY]
+    moved = {s: v - before[s] for s, v in tokens_by_source(tp_cluster).items()}
+
+    assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single), report)
+    # D pulled exactly the prompt's blocks (both heads: one from each P rank) and computed none of the prompt.
+    assert report["ok"], f"D's pull from the TP-2 prefill failed: {report.get('reason')!r}; report {report}"
+    blocks = math.ceil(length / BLOCK_SIZE)
+    assert report["blocks"] == blocks, report
+    assert report["bytes"] == blocks * BYTES_PER_BLOCK, report
+    assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
+
+
+def test_prefill_holds_no_blocks_afterwards(tp_cluster: TPCluster) -> None:
+    """Every P rank was released (read or notified): P's KV usage returns to 0 well before its 60 s hold
+    timeout would free anything."""
+    assert wait_kv_idle(tp_cluster.prefill, timeout=30) == 0.0
+    assert wait_kv_idle(tp_cluster.decode, timeout=30) == 0.0

@@ -155,6 +155,9 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         prefill_cpus=f"{cpus[0]}|{cpus[1]}",
         decode_cpus=str(cpus[1]),
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
-        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
+        # A starved P rank answered a claim in more than 3 x 1.7 s once in ~10 clean-clone runs (CI machine
+        # loaded by the TP-2 engine's collectives); the side channel gets 20 s here, the rest stays short.
+        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5",
+                    "VLLM_KVP2P_SIDE_CHANNEL_TIMEOUT": "20"},
     ) as cluster:
         yield cluster

@@ -21,6 +21,9 @@ def register() -> None:
     """vLLM general plugin: make ``kv_connector="MooncakeP2PConnector"`` resolvable. Idempotent."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from vllm_kvp2p.platform import ascend_hook
+
+    ascend_hook.install()  # import hook only (no torch): vllm-ascend's worker skips get_mem_pool_context
     registry = getattr(KVConnectorFactory, "_registry", {})
     if CONNECTOR_NAME in registry:
         return

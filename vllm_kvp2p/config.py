@@ -52,6 +52,9 @@ class KVP2PConfig:
     # for KV; at TP > 1 those empty steps (gloo collectives on every rank) take every core and starve the
     # side channel and Mooncake threads for seconds. 0 disables.
     idle_step_sleep: float = 0.005
+    # Allocate the KV cache from one contiguous arena (registered as one region) when the platform and build
+    # have one; false registers vLLM's tensors one by one (touching ones merged), checked against the region limit.
+    kv_arena: bool = True
     # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
     max_batch_entries: int = 1024
     # Test-only: D honours "kvp2p_test_corrupt": true in a request's kv_transfer_params by overwriting the blocks
@@ -175,5 +178,6 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "claim_wait": _as_float,
     "idle_step_sleep": _as_float,
     "max_batch_entries": _as_int,
+    "kv_arena": _as_bool,
     "test_hooks": _as_bool,
 }

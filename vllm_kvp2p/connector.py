@@ -117,6 +117,11 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
     def get_mem_pool_context(self) -> Any:
         return self.worker_side.mem_pool_context() if self.worker_side is not None else None
 
+    def kvp2p_arena_context(self, size_bytes: int) -> Any:
+        """The same scope for a worker that does not call get_mem_pool_context (vllm-ascend, see
+        platform/ascend_hook.py), sized by the caller."""
+        return self.worker_side.mem_pool_context(size_bytes) if self.worker_side is not None else None
+
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()

@@ -76,11 +76,21 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ start-up
 
-    def mem_pool_context(self) -> AbstractContextManager[Any] | None:
-        """vLLM allocates the whole KV cache inside this context: from one arena, registered once."""
+    def mem_pool_context(self, size_bytes: int | None = None) -> AbstractContextManager[Any] | None:
+        """vLLM allocates the whole KV cache inside this context: from one arena, registered once.
+
+        ``size_bytes`` overrides the size derived from vLLM's own allocation (the vllm-ascend hook passes what
+        vllm-ascend's allocator will ask for). One arena per worker: a second call (a platform that both calls
+        the hook and is wrapped by us) gets no new arena."""
         from vllm_kvp2p.arena import arena_size_for
 
-        self.arena = self.platform.kv_arena(arena_size_for(self.kv_cache_config))
+        if not self.config.kv_arena:
+            logger.info("KV arena disabled (kv_arena=false): KV tensors are registered one by one")
+            return None
+        if self.arena is not None:
+            logger.warning("KV arena already created for this worker; not creating a second one")
+            return None
+        self.arena = self.platform.kv_arena(size_bytes or arena_size_for(self.kv_cache_config))
         if self.arena is None:
             logger.info("no KV arena on this platform/build: KV tensors are registered one by one")
             return None

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvp2p.platform.base import KVPlatform
+from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.platform.base import KVArenaLike, KVPlatform
+
+logger = get_logger(__name__)
 
 
 class NpuPlatform(KVPlatform):
@@ -24,3 +27,12 @@ class NpuPlatform(KVPlatform):
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         torch.npu.synchronize()
+
+    def kv_arena(self, size_bytes: int) -> KVArenaLike | None:
+        from vllm_kvp2p.platform import npu_arena
+
+        reason = npu_arena.unavailable_reason()
+        if reason is not None:
+            logger.warning("no NPU KV arena: %s", reason)
+            return None
+        return npu_arena.NpuKvArena(size_bytes)

@@ -1,0 +1,173 @@
+"""Give vllm-ascend's NPU worker the KV arena even though it never calls ``get_mem_pool_context()``.
+
+vLLM's GPU worker (and the CPU worker that inherits it) allocates the KV cache inside the connector's
+``get_mem_pool_context()``. vllm-ascend's ``NPUWorker.initialize_from_config`` does not (checked at vllm-ascend
+commit 182b75ea84): its ``NPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` allocates each K and V
+itself, padded to 2 MiB alignment, so the KV cache would be two regions per layer, against HCCL's 256.
+
+:func:`install` runs from the plugin (``vllm_kvp2p.register``) and must stay cheap: when vllm-ascend is installed
+it only adds an import hook; when ``vllm_ascend.worker.model_runner_v1`` is imported (or already was), that method
+is wrapped so it runs inside the active MooncakeP2PConnector's arena scope. The wrap is guarded by the method's
+signature, not a version list: if vllm-ascend renames or changes it, one warning is logged and the connector falls
+back to merged per-tensor registration, where the region limit is checked up front with a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any
+
+from vllm_kvp2p.log import get_logger
+
+logger = get_logger(__name__)
+
+TARGET_MODULE = "vllm_ascend.worker.model_runner_v1"
+TARGET_CLASS = "NPUModelRunner"
+TARGET_METHOD = "_allocate_kv_cache_tensors"
+EXPECTED_PARAMS = ("self", "kv_cache_config")
+#: Name of the connector-facade method the wrapper asks for an arena scope (absent on other connectors).
+ARENA_CONTEXT_METHOD = "kvp2p_arena_context"
+
+# vllm-ascend pads every piece it allocates (K, V, and for MLA/sparse models the rope or index cache) by one 2 MiB
+# alignment; at most this many pieces per KVCacheTensor are budgeted (over-reserves <= 2 MiB per layer otherwise).
+_PIECES_PER_TENSOR = 3
+_ALIGN = 2 << 20
+
+_WRAPPED_FLAG = "__kvp2p_arena_wrapped__"
+_lock = threading.Lock()
+_finder_installed = False
+
+
+def ascend_arena_size(kv_cache_config: Any) -> int:
+    """Bytes vllm-ascend's ``_allocate_kv_cache_tensors`` asks for: each KVCacheTensor's size plus one 2 MiB
+    alignment pad per piece, plus 2 MiB slack, rounded to 2 MiB."""
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+    total = sum(int(t.size) + _PIECES_PER_TENSOR * _ALIGN for t in tensors) + _ALIGN
+    return -(-total // _ALIGN) * _ALIGN
+
+
+def install() -> bool:
+    """Arrange for NPUModelRunner to allocate from the arena. True when vllm-ascend is installed (wrapped now or
+    on import), False when it is not (nothing to do). Idempotent."""
+    global _finder_installed
+    try:
+        if importlib.util.find_spec("vllm_ascend") is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        patch_module(module)
+        return True
+    with _lock:
+        if not _finder_installed:
+            sys.meta_path.insert(0, _PatchOnImport())
+            _finder_installed = True
+    return True
+
+
+def patch_module(module: ModuleType) -> bool:
+    """Wrap ``NPUModelRunner._allocate_kv_cache_tensors`` in ``module``. False (with one warning) when it is not
+    there in the expected form."""
+    version = _vllm_ascend_version()
+    cls = getattr(module, TARGET_CLASS, None)
+    method = getattr(cls, TARGET_METHOD, None) if cls is not None else None
+    if method is None or not callable(method):
+        logger.warning(
+            "vllm-ascend %s has no %s.%s.%s: the KV cache will not come from the connector's arena; it is "
+            "registered per tensor (touching tensors merged) and the region limit is checked at registration",
+            version, TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+        )
+        return False
+    if getattr(method, _WRAPPED_FLAG, False):
+        return True
+    params = _param_names(method)
+    if params != EXPECTED_PARAMS:
+        logger.warning(
+            "vllm-ascend %s: %s.%s takes %s, expected %s; not wrapped, so the KV cache is registered per tensor "
+            "(region limit checked at registration)", version, TARGET_CLASS, TARGET_METHOD, params, EXPECTED_PARAMS,
+        )
+        return False
+    setattr(cls, TARGET_METHOD, _wrap(method))
+    logger.info("vllm-ascend %s: %s.%s now allocates the KV cache inside MooncakeP2PConnector's arena",
+                version, TARGET_CLASS, TARGET_METHOD)
+    return True
+
+
+def _wrap(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(original)
+    def allocate_in_arena(self: Any, kv_cache_config: Any) -> Any:
+        scope = _connector_arena_scope(kv_cache_config)
+        if scope is None:
+            return original(self, kv_cache_config)
+        with scope:
+            return original(self, kv_cache_config)
+
+    setattr(allocate_in_arena, _WRAPPED_FLAG, True)
+    return allocate_in_arena
+
+
+def _connector_arena_scope(kv_cache_config: Any) -> AbstractContextManager[Any] | None:
+    """The active MooncakeP2PConnector's arena scope sized for vllm-ascend, or None (another connector, none, or
+    no arena on this build: vllm-ascend then allocates as usual)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    make_scope = getattr(get_kv_transfer_group(), ARENA_CONTEXT_METHOD, None)
+    if make_scope is None:
+        return None
+    return make_scope(ascend_arena_size(kv_cache_config))
+
+
+def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _vllm_ascend_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-ascend")
+    except Exception:
+        return "(version unknown)"
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Import hook: lets the normal finders load TARGET_MODULE, then patches it right after it executes."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != TARGET_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        try:
+            patch_module(module)
+        except Exception:  # never break vllm-ascend's import because of us
+            logger.exception("could not wrap %s.%s; KV cache registered per tensor", TARGET_CLASS, TARGET_METHOD)

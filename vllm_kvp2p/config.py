@@ -52,6 +52,9 @@ class KVP2PConfig:
     # for KV; at TP > 1 those empty steps (gloo collectives on every rank) take every core and starve the
     # side channel and Mooncake threads for seconds. 0 disables.
     idle_step_sleep: float = 0.005
+    # Most pull threads per D worker. Each P instance is served by one thread (instances beyond this share), so a
+    # frozen P delays only the instances sharing its thread; pulls from one P never overlap.
+    pull_threads: int = 4
     # Allocate the KV cache from one contiguous arena (registered as one region) when the platform and build
     # have one; false registers vLLM's tensors one by one (touching ones merged), checked against the region limit.
     kv_arena: bool = True
@@ -110,6 +113,8 @@ class KVP2PConfig:
             raise ConfigError(
                 f"transfer_timeout={self.transfer_timeout}: allowed values are >= 5 seconds (Mooncake's minimum)"
             )
+        if not 1 <= self.pull_threads <= 64:
+            raise ConfigError(f"pull_threads={self.pull_threads}: allowed values are 1..64")
         if not 1 <= self.max_batch_entries <= 1024:
             raise ConfigError(
                 f"max_batch_entries={self.max_batch_entries}: allowed values are 1..1024 "
@@ -178,6 +183,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "claim_wait": _as_float,
     "idle_step_sleep": _as_float,
     "max_batch_entries": _as_int,
+    "pull_threads": _as_int,
     "kv_arena": _as_bool,
     "test_hooks": _as_bool,
 }

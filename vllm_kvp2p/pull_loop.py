@@ -1,8 +1,14 @@
 """D side at run time: the background thread that carries out pull plans, off the model's forward path.
 
 For each plan it drives a :class:`~vllm_kvp2p.lifecycle.consumer.ConsumerPull` (which decides everything) by
-performing its actions: side-channel requests, Mooncake reads, waits. One thread: a Mooncake wait spins a core,
-and these machines have two.
+performing its actions: side-channel requests, Mooncake reads, waits.
+
+Threads ("lanes"): ``max_threads`` of them, started with the loop (so they get the platform's service-thread
+placement; idle ones block on their queue). Each P instance (side-channel host and base port) is assigned to
+exactly one lane on first use, the lane serving the fewest instances. So a frozen or slow P
+delays only the P instances on its lane (with one thread it delayed every pull of this worker for up to the
+transfer timeout), and pulls from one P never overlap, which keeps at most ``max_batch_entries`` Mooncake entries
+in flight per peer. With one P instance only one lane works (a Mooncake wait spins a core).
 """
 
 from __future__ import annotations
@@ -44,8 +50,19 @@ class TimedResult:
     seconds: float  # from the plan reaching the thread to P's release being sent
 
 
+class _Lane:
+    """One pull thread and its queue; serves the P instances assigned to it, one plan at a time."""
+
+    def __init__(self, loop: PullLoop, name: str) -> None:
+        self.plans: queue.Queue[PullPlan | None] = queue.Queue()
+        self.instances = 0  # P instances assigned to this lane
+        self.thread = threading.Thread(target=loop._run, args=(self.plans,), name=name, daemon=True)
+        self.thread.start()
+
+
 class PullLoop:
-    """Runs pull plans one by one on a daemon thread; results are collected with :meth:`take_results`."""
+    """Runs pull plans on daemon threads, one lane per P instance (see the module docstring); results are
+    collected with :meth:`take_results`."""
 
     def __init__(
         self,
@@ -59,6 +76,7 @@ class PullLoop:
         claim_wait: float,
         max_batch_entries: int,
         after_pull: Callable[[PullPlan, PullResult], None] | None = None,
+        max_threads: int = 4,
     ) -> None:
         self.engine = engine
         self.reader = reader
@@ -71,14 +89,27 @@ class PullLoop:
         self.after_pull = after_pull
         # Registration of each remote (engine, rank), fetched once; dropped when a read from it fails.
         self._registrations: dict[tuple[str, int], RankRegistration] = {}
-        self._plans: queue.Queue[PullPlan | None] = queue.Queue()
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"kvp2p-pull:{tp_rank}", daemon=True)
-        self._thread.start()
+        self.max_threads = max(1, max_threads)
+        self._lane_of: dict[tuple[str, int], _Lane] = {}  # P instance (host, base port) -> its lane, for good
+        self._lanes_lock = threading.Lock()
+        self._closed = False
+        self._lanes = [_Lane(self, f"kvp2p-pull:{tp_rank}.{i}") for i in range(self.max_threads)]
 
     def submit(self, plan: PullPlan) -> None:
-        self._plans.put(plan)
+        self._lane_for((plan.remote.remote_host, plan.remote.remote_port)).plans.put(plan)
+
+    def _lane_for(self, instance: tuple[str, int]) -> _Lane:
+        with self._lanes_lock:
+            if self._closed:
+                raise RuntimeError("PullLoop is closed")
+            lane = self._lane_of.get(instance)
+            if lane is None:
+                lane = min(self._lanes, key=lambda ln: (ln.instances, ln.plans.qsize()))
+                lane.instances += 1
+                self._lane_of[instance] = lane
+            return lane
 
     def take_results(self) -> list[TimedResult]:
         with self._results_lock:
@@ -86,16 +117,22 @@ class PullLoop:
         return results
 
     def close(self) -> None:
-        self._plans.put(None)
-        self._thread.join(timeout=60)
+        with self._lanes_lock:
+            self._closed = True
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.plans.put(None)
+        deadline = time.monotonic() + 60
+        for lane in lanes:
+            lane.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the threads
 
-    def _run(self) -> None:
-        client = SideChannelClient(self.side_channel_timeout)
+    def _run(self, plans: queue.Queue[PullPlan | None]) -> None:
+        client = SideChannelClient(self.side_channel_timeout)  # one per thread: REQ sockets are not shareable
         try:
             while True:
-                plan = self._plans.get()
+                plan = plans.get()
                 if plan is None:
                     return
                 t0 = time.perf_counter()

@@ -179,6 +179,7 @@ class WorkerSide:
                 side_channel_timeout=config.side_channel_timeout,
                 claim_wait=config.claim_wait,
                 max_batch_entries=config.max_batch_entries,
+                max_threads=config.pull_threads,
                 after_pull=self._corrupt if config.test_hooks else None,
             )
 

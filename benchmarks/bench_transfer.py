@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -53,9 +52,9 @@ def _mc_env() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    from vllm_kvp2p.testing.server import free_port  # outside the ephemeral range
+
+    return free_port(HOST)
 
 
 def _shape(g: dict[str, int]) -> tuple[int, int, int, int]:

@@ -22,7 +22,6 @@ D then claims late (hold expired) or its Mooncake reads time out.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
-from vllm_kvp2p.testing.server import VllmServer, free_port
+from vllm_kvp2p.testing.server import VllmServer, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 
@@ -39,29 +38,6 @@ def _usable_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
-
-
-def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A port ``base`` such that ``base .. base + n - 1`` were all free a moment ago (P's side-channel ports:
-    rank r listens on base + r)."""
-    for _ in range(attempts):
-        base = free_port(host)
-        if base + n - 1 > 65000 or any(15000 <= p <= 17000 for p in range(base, base + n)):
-            continue  # outside the connector's allowed range
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
 
 
 @dataclass

@@ -1,11 +1,7 @@
-"""Free TCP ports on 127.0.0.1 for tests."""
+"""Free TCP ports on 127.0.0.1 for tests (outside the ephemeral range; see vllm_kvp2p.testing.server)."""
 
 from __future__ import annotations
 
-import socket
+from vllm_kvp2p.testing.server import free_port, free_port_run, free_ports
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "free_port_run", "free_ports"]

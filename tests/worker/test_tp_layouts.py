@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port_run
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
@@ -81,7 +81,7 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
 
     p_num_blocks = [40 + 3 * r for r in range(p_tp)]  # ranks of one engine differ in block count
     holds, p_tensors = [], []
-    base_port = free_port()
+    base_port = free_port_run(p_tp)  # P rank r listens on base_port + r
     for r in range(p_tp):
         tensors = p_ranks[r].carve([shape(p_layout, p_num_blocks[r], p_bs)] * LAYERS)
         for t, full in zip(tensors, truth):

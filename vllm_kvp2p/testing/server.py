@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -103,24 +104,59 @@ class VllmServerError(RuntimeError):
     """The server process died or did not become ready; the message ends with the tail of its log."""
 
 
+# Ports handed to tests are drawn from below the kernel's ephemeral range (where outgoing connections, Mooncake's
+# and ZMQ's included, take their source ports) and above Mooncake's own RPC range [15000, 17000]: a port picked
+# from the ephemeral range (bind to 0) could be taken by some connection's source port before the server binds it.
+_LOWEST_PORT = 20000
+
+
+def _port_range() -> tuple[int, int]:
+    high = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+        if ephemeral_low > _LOWEST_PORT + 1000:
+            high = ephemeral_low
+    except (OSError, ValueError, IndexError):
+        pass
+    return _LOWEST_PORT, high
+
+
+def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A port ``base`` such that ``base .. base + n - 1`` were all free a moment ago (a P instance's side-channel
+    ports: rank r listens on base + r)."""
+    low, high = _port_range()
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(low, high - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found in [{low}, {high}) after {attempts} attempts")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
-    return free_ports(1, host)[0]
+    """A TCP port that was free on ``host`` a moment ago, outside the ephemeral range."""
+    return free_port_run(1, host)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free TCP ports (all sockets are held open until every port is chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct TCP ports that were free a moment ago."""
+    ports: set[int] = set()
+    for _ in range(100 * n):
+        ports.add(free_port_run(1, host))
+        if len(ports) == n:
+            return sorted(ports)
+    raise RuntimeError(f"could not find {n} distinct free ports")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -58,6 +58,10 @@ class KVP2PConfig:
     # Allocate the KV cache from one contiguous arena (registered as one region) when the platform and build
     # have one; false registers vLLM's tensors one by one (touching ones merged), checked against the region limit.
     kv_arena: bool = True
+    # Seconds vLLM's worker and engine-core processes busy-poll their queues after each message; < 0 uses the
+    # platform's default (0.002 on CPU, vLLM's own 1 s on NPU). vLLM spins 1 s, and pending transfers keep engines
+    # stepping, so on few cores those spinners starve the threads that move the KV (platform/worker_polling.py).
+    worker_busy_poll: float = -1.0
     # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
     max_batch_entries: int = 1024
     # Test-only: D honours "kvp2p_test_corrupt": true in a request's kv_transfer_params by overwriting the blocks
@@ -113,6 +117,9 @@ class KVP2PConfig:
             raise ConfigError(
                 f"transfer_timeout={self.transfer_timeout}: allowed values are >= 5 seconds (Mooncake's minimum)"
             )
+        if not (self.worker_busy_poll < 0 or 0 <= self.worker_busy_poll <= 1):
+            raise ConfigError(f"worker_busy_poll={self.worker_busy_poll}: allowed values are 0..1 seconds, or -1 for "
+                              "the platform's default")
         if not 1 <= self.pull_threads <= 64:
             raise ConfigError(f"pull_threads={self.pull_threads}: allowed values are 1..64")
         if not 1 <= self.max_batch_entries <= 1024:
@@ -184,6 +191,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "idle_step_sleep": _as_float,
     "max_batch_entries": _as_int,
     "pull_threads": _as_int,
+    "worker_busy_poll": _as_float,
     "kv_arena": _as_bool,
     "test_hooks": _as_bool,
 }

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.platform import get_platform
+from vllm_kvp2p.platform import get_platform, worker_polling
 from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide
 from vllm_kvp2p.worker import WorkerSide
 
@@ -49,10 +49,11 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
         self.engine_id: str = kv_config.engine_id
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        platform = get_platform(self.config.platform)
+        worker_polling.apply_setting(self.config.worker_busy_poll, platform.default_worker_busy_poll)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config)
         else:
-            platform = get_platform(self.config.platform)
             self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.engine_id, self.config, platform)
 
     # ------------------------------------------------------------------ scheduler side

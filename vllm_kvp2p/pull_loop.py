@@ -43,6 +43,9 @@ from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
 logger = get_logger(__name__)
 
+#: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
+SLOW_ACTION_S = 1.0
+
 
 @dataclass(frozen=True)
 class TimedResult:
@@ -162,41 +165,52 @@ class PullLoop:
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until claim_wait
             action = job.next_action(time.monotonic())
+            started = time.monotonic()
+            self._perform(plan, job, action, client, host, base_port)
             if isinstance(action, Finish):
-                self._finished(plan, action.result)
                 return action.result
-            if isinstance(action, Wait):
-                time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
-            elif isinstance(action, FetchRegistration):
-                reg, err = self._registration(client, plan.remote.remote_engine_id, host, base_port, action.source)
-                job.on_registration(action.source, reg, err)
-            elif isinstance(action, SendClaim):
-                reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
-                job.on_claim_reply(action.source, reply, time.monotonic(), err)
-            elif isinstance(action, SendRenew):
-                reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
-                job.on_renewed(action.source, reply, time.monotonic(), err)
-            elif isinstance(action, ReadBatch):
-                try:
-                    try:
-                        self.engine.read(action.segment, action.descriptors)
-                    except TransferEngineError as first:
-                        # The first read from a new peer opens its segment; under load that can fail once.
-                        logger.warning("read from %s failed (%s); retrying once", action.segment, first)
-                        self.engine.read(action.segment, action.descriptors)
-                    job.on_batch_done(action.source, True)
-                except TransferEngineError as exc:
-                    self._registrations.pop((plan.remote.remote_engine_id, action.source.p_rank), None)
-                    job.on_batch_done(action.source, False, str(exc))
-            elif isinstance(action, SendRelease):
-                try:
-                    client.request(host, base_port + action.source.p_rank, action.message)
-                except SideChannelError as exc:
-                    # P is gone or unreachable: its hold timeout frees the blocks. Nothing else to do.
-                    logger.warning("release of %s to P rank %d not delivered: %s",
-                                   plan.request_id, action.source.p_rank, exc)
-                job.on_release_sent(action.source)
+            took = time.monotonic() - started
+            if took > SLOW_ACTION_S and not isinstance(action, Wait):
+                logger.warning("pull of %s: %s with P rank %d took %.1f s", plan.request_id,
+                               type(action).__name__, action.source.p_rank, took)
         raise RuntimeError(f"pull of {plan.request_id} did not finish")
+
+    def _perform(self, plan: PullPlan, job: ConsumerPull, action: object, client: SideChannelClient, host: str,
+                 base_port: int) -> None:
+        """Carry out one action of the pull state machine and feed its outcome back."""
+        if isinstance(action, Finish):
+            self._finished(plan, action.result)
+        elif isinstance(action, Wait):
+            time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
+        elif isinstance(action, FetchRegistration):
+            reg, err = self._registration(client, plan.remote.remote_engine_id, host, base_port, action.source)
+            job.on_registration(action.source, reg, err)
+        elif isinstance(action, SendClaim):
+            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+            job.on_claim_reply(action.source, reply, time.monotonic(), err)
+        elif isinstance(action, SendRenew):
+            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+            job.on_renewed(action.source, reply, time.monotonic(), err)
+        elif isinstance(action, ReadBatch):
+            try:
+                try:
+                    self.engine.read(action.segment, action.descriptors)
+                except TransferEngineError as first:
+                    # The first read from a new peer opens its segment; under load that can fail once.
+                    logger.warning("read from %s failed (%s); retrying once", action.segment, first)
+                    self.engine.read(action.segment, action.descriptors)
+                job.on_batch_done(action.source, True)
+            except TransferEngineError as exc:
+                self._registrations.pop((plan.remote.remote_engine_id, action.source.p_rank), None)
+                job.on_batch_done(action.source, False, str(exc))
+        elif isinstance(action, SendRelease):
+            try:
+                client.request(host, base_port + action.source.p_rank, action.message)
+            except SideChannelError as exc:
+                # P is gone or unreachable: its hold timeout frees the blocks. Nothing else to do.
+                logger.warning("release of %s to P rank %d not delivered: %s",
+                               plan.request_id, action.source.p_rank, exc)
+            job.on_release_sent(action.source)
 
     def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
         """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""

@@ -16,7 +16,10 @@ CPU budget: while P holds a finished prompt's blocks for D, vLLM keeps stepping 
 has requests until the connector reports them sent). At TP 1 that costs one busy worker; at TP 2 on 2 cores every
 empty step is a broadcast to both ranks plus collectives, and the whole host crawls: with P alone and one request
 held, P's side channel answered in 2-5 s instead of ~10 ms and an unrelated ``time.sleep(0.2)`` took up to 9 s.
-D then claims late (hold expired) or its Mooncake reads time out.
+D then claims late (hold expired) or its Mooncake reads time out. Two settings of the connector fix that
+(both on by default on CPU): ``idle_step_sleep`` spaces the empty steps, and ``worker_busy_poll`` stops vLLM's
+worker and engine-core processes from spinning 1 s after each step message (with both, every pull here took
+~10 ms; with only the first, side-channel round trips still took up to 64 s and most pulls failed).
 """
 
 from __future__ import annotations
@@ -131,9 +134,6 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         prefill_cpus=f"{cpus[0]}|{cpus[1]}",
         decode_cpus=str(cpus[1]),
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
-        # A starved P rank answered a claim in more than 3 x 1.7 s once in ~10 clean-clone runs (CI machine
-        # loaded by the TP-2 engine's collectives); the side channel gets 20 s here, the rest stays short.
-        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5",
-                    "VLLM_KVP2P_SIDE_CHANNEL_TIMEOUT": "20"},
+        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
     ) as cluster:
         yield cluster

@@ -41,6 +41,11 @@ class KVPlatform(ABC):
         one, touching ones merged)."""
         return None
 
+    #: Seconds vLLM's shared-memory readers may busy-poll after a message on this platform (None: vLLM's own
+    #: 1 s). The connector keeps engines stepping while transfers are pending, so without a bound every worker
+    #: spins a core for the whole time (see platform/worker_polling.py).
+    default_worker_busy_poll: float | None = None
+
     def service_threads(self) -> AbstractContextManager[None]:
         """Scope in which the connector starts its own threads (side channel, pull loop, Mooncake's workers),
         so they can be placed apart from the model's compute threads."""

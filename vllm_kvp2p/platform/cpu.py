@@ -13,6 +13,9 @@ from vllm_kvp2p.platform.base import KVArenaLike, KVPlatform
 class CpuPlatform(KVPlatform):
     name = "cpu"
     default_protocol = "tcp"
+    # Cores are few and shared with the forward pass: vLLM's 1 s spin after each step message would keep every
+    # worker and engine core spinning while transfers are pending (platform/worker_polling.py).
+    default_worker_busy_poll = 0.002
 
     def memory_location(self, tensor: Any) -> str:
         return "cpu"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.config import KVP2PConfig, data_parallel_index
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import RemotePrefill
@@ -94,7 +94,7 @@ class SchedulerSide:
         self.tp_size = parallel.tensor_parallel_size
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
-        self.side_channel_port = config.side_channel_port_for(parallel.data_parallel_rank, self.tp_size, 0)
+        self.side_channel_port = config.side_channel_port_for(data_parallel_index(parallel), self.tp_size, 0)
         self.consumer = ConsumerSchedule(self.block_size)
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.config import KVP2PConfig, data_parallel_index
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
@@ -62,7 +62,7 @@ class WorkerSide:
         self.platform = platform
         self.tp_size = parallel.tensor_parallel_size
         self.tp_rank = get_tensor_model_parallel_rank()
-        self.dp_rank = parallel.data_parallel_rank
+        self.dp_rank = data_parallel_index(parallel)
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)

@@ -13,11 +13,15 @@ from vllm_kvp2p.protocol import RemotePrefill
 from vllm_kvp2p.scheduler import SchedulerSide
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize(("dp_rank", "tp_size"), [(0, 1), (1, 1), (1, 2), (3, 4)])
-def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size: int) -> None:
+def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size: int, moe: bool) -> None:
     vllm_config = make_vllm_config("kv_producer")
     vllm_config.parallel_config.tensor_parallel_size = tp_size
-    vllm_config.parallel_config.data_parallel_rank = dp_rank
+    # What vLLM's engine-core process sets (v1/engine/core.py): the launch rank is always in data_parallel_index;
+    # a dense model's DP ranks run as independent engines whose data_parallel_rank is reset to 0.
+    vllm_config.parallel_config.data_parallel_index = dp_rank
+    vllm_config.parallel_config.data_parallel_rank = dp_rank if moe else 0
     config = KVP2PConfig.from_sources({"side_channel_port": 20000}, env={})
     side = SchedulerSide(vllm_config, f"engine_dp{dp_rank}", config)
     assert side.side_channel_port == 20000 + dp_rank * tp_size

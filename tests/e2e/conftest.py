@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once this package is done: engines of other packages get the cores
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
     with PDCluster(
         tiny_model_dir,

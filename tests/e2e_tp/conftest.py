@@ -123,7 +123,7 @@ def tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once this package is done: engines of other packages get the cores
 def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
     cpus = _usable_cpus()
     if len(cpus) < 2:

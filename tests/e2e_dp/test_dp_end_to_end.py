@@ -1,0 +1,77 @@
+"""End to end with data parallelism: P runs two DP engines behind one API server; each must advertise its own engine
+id and side-channel port, D must pull from whichever engine prefilled a request, outputs must equal a single
+instance's, and neither P engine may end holding KV blocks."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.e2e.helpers import (
+    BLOCK_SIZE,
+    BYTES_PER_BLOCK,
+    LOGPROB_TOL,
+    baseline,
+    completion_body,
+    max_logprob_gap,
+    metric,
+    post,
+    prompt_ids,
+    tokens_and_logprobs,
+    wait_kv_idle,
+)
+from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+
+if TYPE_CHECKING:
+    from tests.e2e_dp.conftest import DPCluster
+
+pytestmark = pytest.mark.e2e
+
+SOURCES = ("local_compute", "external_kv_transfer")
+
+
+def test_each_dp_engine_advertises_its_own_engine_id_and_port(dp_cluster: DPCluster) -> None:
+    """Prefill directly on P until both DP engines answered (vLLM sends a request to the less loaded engine, and a
+    prefilled request stays on its engine until D releases it), then let D finish every request from its params:
+    D must read from the engine that holds the blocks."""
+    held: list[tuple[list[int], dict]] = []
+    for i in range(6):  # bounded
+        prompt = prompt_ids(40 + i, seed=1000 + i)
+        p = post(dp_cluster.prefill.url + "/v1/completions",
+                 {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                  "kv_transfer_params": {"do_remote_decode": True}})
+        held.append((prompt, p["kv_transfer_params"]))
+        if len({params["remote_engine_id"] for _, params in held}) == 2:
+            break
+    seen = {params["remote_engine_id"]: params["remote_port"] for _, params in held}
+    for prompt, params in held:
+        d = post(dp_cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+        report = d["kv_transfer_params"][PULL_REPORT_KEY]
+        assert report["ok"] and report["blocks"] == math.ceil(len(prompt) / BLOCK_SIZE), report
+        assert max_logprob_gap(d, baseline(dp_cluster, prompt)) <= LOGPROB_TOL
+    assert len(seen) == 2, f"only {seen} answered {len(held)} requests"
+    by_rank = {int(eid.rsplit("_dp", 1)[1]): port for eid, port in seen.items()}
+    assert by_rank == {0: dp_cluster.side_channel_port, 1: dp_cluster.side_channel_port + 1}
+
+
+@pytest.mark.parametrize("length", [10, 5 * BLOCK_SIZE + 7, 300])
+def test_dp2_prefill_dp1_decode_equals_single_instance(dp_cluster: DPCluster, length: int) -> None:
+    prompt = prompt_ids(length, seed=length)
+    before = {s: metric(dp_cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+    pd = post(dp_cluster.proxy_url + "/v1/completions", completion_body(prompt))
+    single = baseline(dp_cluster, prompt)
+    report = pd["kv_transfer_params"][PULL_REPORT_KEY]
+    moved = {s: metric(dp_cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) - before[s]
+             for s in SOURCES}
+    assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
+    assert report["ok"], report
+    blocks = math.ceil(length / BLOCK_SIZE)
+    assert report["blocks"] == blocks and report["bytes"] == blocks * BYTES_PER_BLOCK, report
+    assert moved == {"local_compute": 0, "external_kv_transfer": length}, moved
+
+
+def test_no_dp_engine_holds_blocks_afterwards(dp_cluster: DPCluster) -> None:
+    assert wait_kv_idle(dp_cluster.prefill, timeout=30) == 0.0
+    assert wait_kv_idle(dp_cluster.decode, timeout=30) == 0.0

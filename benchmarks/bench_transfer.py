@@ -51,12 +51,6 @@ def _mc_env() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
-def _free_port() -> int:
-    from vllm_kvp2p.testing.server import free_port  # outside the ephemeral range
-
-    return free_port(HOST)
-
-
 def _shape(g: dict[str, int]) -> tuple[int, int, int, int]:
     return (g["num_blocks"], g["kv_heads"], g["block_size"], 2 * g["head_dim"])
 
@@ -126,6 +120,7 @@ def p_main(conn, g: dict[str, int]) -> None:
 
     from vllm_kvp2p.hold_service import HoldService
     from vllm_kvp2p.protocol import RankRegistration
+    from vllm_kvp2p.testing.server import free_port
     from vllm_kvp2p.transfer.engine import MooncakeEngine
     from vllm_kvp2p.transfer.layout import coalesce_regions, kv_geometry
 
@@ -142,7 +137,7 @@ def p_main(conn, g: dict[str, int]) -> None:
         t0 = time.perf_counter()
         engine.register(regions)
         reg_s = time.perf_counter() - t0
-        port = _free_port()
+        port = free_port(HOST)  # outside the ephemeral range
         engine_id = "bench-p-" + uuid.uuid4().hex[:6]
         reg = RankRegistration(engine_id, 0, 1, engine.segment, list(planes), list(shapes),
                                [n for n, _ in layers], g["block_size"], g["num_blocks"], "float16",

@@ -66,3 +66,9 @@ def wait_kv_idle(server: VllmServer, timeout: float = 30.0) -> float:
     return usage
 
 
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def tokens_by_source(cluster: Cluster) -> dict[str, float]:
+    """D's ``vllm:prompt_tokens_by_source_total`` per source: where the prompt tokens of its requests came from."""
+    return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in PROMPT_SOURCES}

@@ -16,10 +16,10 @@ from tests.e2e.helpers import (
     baseline,
     completion_body,
     max_logprob_gap,
-    metric,
     post,
     prompt_ids,
     tokens_and_logprobs,
+    tokens_by_source,
     wait_kv_idle,
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from tests.e2e_dp.conftest import DPCluster
 
 pytestmark = pytest.mark.e2e
-
-SOURCES = ("local_compute", "external_kv_transfer")
-
 
 def test_each_dp_engine_advertises_its_own_engine_id_and_port(dp_cluster: DPCluster) -> None:
     """Prefill directly on P until both DP engines answered (vLLM sends a request to the less loaded engine, and a
@@ -59,17 +56,16 @@ def test_each_dp_engine_advertises_its_own_engine_id_and_port(dp_cluster: DPClus
 @pytest.mark.parametrize("length", [10, 5 * BLOCK_SIZE + 7, 300])
 def test_dp2_prefill_dp1_decode_equals_single_instance(dp_cluster: DPCluster, length: int) -> None:
     prompt = prompt_ids(length, seed=length)
-    before = {s: metric(dp_cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+    before = tokens_by_source(dp_cluster)
     pd = post(dp_cluster.proxy_url + "/v1/completions", completion_body(prompt))
     single = baseline(dp_cluster, prompt)
     report = pd["kv_transfer_params"][PULL_REPORT_KEY]
-    moved = {s: metric(dp_cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) - before[s]
-             for s in SOURCES}
+    moved = {s: v - before[s] for s, v in tokens_by_source(dp_cluster).items()}
     assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
     assert report["ok"], report
     blocks = math.ceil(length / BLOCK_SIZE)
     assert report["blocks"] == blocks and report["bytes"] == blocks * BYTES_PER_BLOCK, report
-    assert moved == {"local_compute": 0, "external_kv_transfer": length}, moved
+    assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 
 
 def test_no_dp_engine_holds_blocks_afterwards(dp_cluster: DPCluster) -> None:

@@ -24,10 +24,10 @@ from tests.e2e.helpers import (
     baseline,
     completion_body,
     max_logprob_gap,
-    metric,
     post,
     prompt_ids,
     tokens_and_logprobs,
+    tokens_by_source,
     wait_kv_idle,
 )
 from vllm_kvp2p.protocol import GetRegistration, Registration
@@ -41,11 +41,6 @@ pytestmark = pytest.mark.e2e
 
 # Shorter than one block, exactly two blocks, several blocks with a partial last one, a few hundred tokens.
 LENGTHS = [10, 2 * BLOCK_SIZE, 5 * BLOCK_SIZE + 7, 300]
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-
-
-def tokens_by_source(cluster: TPCluster) -> dict[str, float]:
-    return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
 
 
 def test_prefill_runs_one_hold_service_per_rank_with_its_head_slice(tp_cluster: TPCluster) -> None:

@@ -133,14 +133,6 @@ class KVP2PConfig:
         return self.side_channel_port + dp_rank * tp_size + tp_rank
 
 
-def data_parallel_index(parallel_config: Any) -> int:
-    """This engine's DP rank as the operator launched it. vLLM runs the DP ranks of a dense model as independent
-    engines and resets their ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``); only
-    ``data_parallel_index`` keeps the launch rank, so ports derived from the rank would collide."""
-    index = getattr(parallel_config, "data_parallel_index", None)
-    return int(index if index is not None else parallel_config.data_parallel_rank)
-
-
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r}: allowed values are {', '.join(allowed)}")

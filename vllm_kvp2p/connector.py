@@ -1,23 +1,28 @@
 """The class vLLM instantiates: ``MooncakeP2PConnector``. It only forwards, by role, to the scheduler half
-(:mod:`vllm_kvp2p.scheduler`) or the worker half (:mod:`vllm_kvp2p.worker`)."""
+(:mod:`vllm_kvp2p.scheduler`) or the worker half (:mod:`vllm_kvp2p.worker`). It implements the hooks of every
+supported vLLM (both ways of reporting finished transfers, both routes to the arena); which ones vLLM calls, and
+what differs between versions, is :mod:`vllm_kvp2p.compat`'s business."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm_kvp2p import compat
+
+compat.check_vllm_supported()  # before importing vLLM's contract: an old vLLM gets the message, not an ImportError
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.platform import get_platform, worker_polling
-from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide
-from vllm_kvp2p.worker import WorkerSide
+from vllm_kvp2p.config import KVP2PConfig  # noqa: E402
+from vllm_kvp2p.log import get_logger  # noqa: E402
+from vllm_kvp2p.platform import get_platform, worker_polling  # noqa: E402
+from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide  # noqa: E402
+from vllm_kvp2p.worker import WorkerSide  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,17 +33,21 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = get_logger(__name__)
+
 
 class MooncakeP2PConnector(KVConnectorBase_V1):
     """Mooncake peer-to-peer KV connector: D pulls a prompt's KV straight out of P's memory."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    if compat.P2P_CACHE_HIT_SOURCE is not None:
+        _cache_hit_source = compat.P2P_CACHE_HIT_SOURCE
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None and kv_config.engine_id is not None
         self.config = KVP2PConfig.from_sources(kv_config.kv_connector_extra_config)
+        compat.check_vllm_supported()
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
             raise NotImplementedError(
@@ -54,7 +63,12 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config)
         else:
-            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.engine_id, self.config, platform)
+            self.worker_side = WorkerSide(
+                vllm_config, kv_cache_config, self.engine_id, self.config, platform,
+                load_errors_as_blocks=not compat.REPORTS_FAILED_REQUESTS,
+            )
+            route = compat.install_kv_allocation_route()
+            logger.info("KV cache allocation route to the connector's arena: %s", route)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -102,14 +116,20 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32: finished sends and receives, and failed receives as request ids."""
         assert self.worker_side is not None
         sending, recving, failed = self.worker_side.get_transfer_results()
-        return KVConnectorTransferResults(sending, recving, failed)
+        return compat.TransferResults(sending, recving, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        """vLLM 0.23: the same without failures, which go to get_block_ids_with_load_errors in the same step."""
+        assert self.worker_side is not None
+        sending, recving, _failed = self.worker_side.get_transfer_results()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_error_blocks() if self.worker_side is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self.worker_side is not None

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvp2p.config import KVP2PConfig, data_parallel_index
+from vllm_kvp2p.compat import data_parallel_index
+from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import RemotePrefill

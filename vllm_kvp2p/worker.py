@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p.config import KVP2PConfig, data_parallel_index
+from vllm_kvp2p.compat import data_parallel_index
+from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
@@ -50,7 +51,11 @@ class WorkerSide:
         engine_id: str,
         config: KVP2PConfig,
         platform: KVPlatform,
+        *,
+        load_errors_as_blocks: bool = False,
     ) -> None:
+        """``load_errors_as_blocks``: vLLM takes failed loads as block ids (0.23), so the local blocks of every
+        failed pull are kept for :meth:`take_load_error_blocks` (see vllm_kvp2p/compat.py)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         kv_config = vllm_config.kv_transfer_config
@@ -73,6 +78,8 @@ class WorkerSide:
         self.local: LocalKV | None = None
         self.arena: KVArenaLike | None = None
         self._reports: dict[str, PullReport] = {}
+        self._load_errors_as_blocks = load_errors_as_blocks
+        self._load_error_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ start-up
 
@@ -206,10 +213,17 @@ class WorkerSide:
                 recving.add(r.request_id)
                 if r.report_failed:
                     failed.add(r.request_id)
+                    if self._load_errors_as_blocks:
+                        self._load_error_blocks.update(r.local_block_ids)
                 self._reports[r.request_id] = PullReport(
                     not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason
                 )
         return sending, recving, failed
+
+    def take_load_error_blocks(self) -> set[int]:
+        """Local block ids of the pulls that failed since the last call (only when vLLM wants failures so)."""
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
 
     def build_worker_meta(self) -> KVP2PWorkerMetadata | None:
         if not self._reports:

@@ -3,6 +3,10 @@
 The workers' side of each step is played by :func:`model_runner_output`, which fakes what vLLM's
 ``KVOutputAggregator`` would hand the scheduler (sampled tokens plus a :class:`KVConnectorOutput`).
 The model is a hand-written Llama ``config.json`` in a temp dir, loaded with ``skip_tokenizer_init``: no hub.
+
+Runs on every supported vLLM: failed loads are handed to the scheduler the way the installed vLLM takes them
+(request ids on 0.32, block ids on 0.23, as the real worker side does: :data:`vllm_kvp2p.compat.REPORTS_FAILED_
+REQUESTS`), and the queues checked are the ones the installed Scheduler has.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
 from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide
 
 EOS_TOKEN_ID = 2
@@ -191,17 +196,23 @@ def model_runner_output(
     worker_meta: Any = None,
     eos: bool = False,
     token_id: int | None = None,
+    load_error_blocks: Iterable[int] = (),
 ) -> ModelRunnerOutput:
-    """One sampled token per request in ``reqs`` plus, when any kv field is given, a KVConnectorOutput."""
+    """One sampled token per request in ``reqs`` plus, when any kv field is given, a KVConnectorOutput.
+    A vLLM that takes failed loads as block ids gets ``load_error_blocks`` instead of ``failed_recving``."""
     req_ids = [r if isinstance(r, str) else r.request_id for r in reqs]
     tok = token_id if token_id is not None else (EOS_TOKEN_ID if eos else SAMPLED_TOKEN_ID)
     kv_out = None
     if finished_sending or finished_recving or failed_recving or worker_meta is not None:
+        failures: dict[str, Any] = (
+            {"failed_recving": set(failed_recving or ())} if REPORTS_FAILED_REQUESTS
+            else {"invalid_block_ids": set(load_error_blocks)}
+        )
         kv_out = KVConnectorOutput(
             finished_sending=set(finished_sending or ()) or None,
             finished_recving=set(finished_recving or ()) or None,
-            failed_recving=set(failed_recving or ()),
             kv_connector_worker_meta=worker_meta,
+            **failures,
         )
     return ModelRunnerOutput(
         req_ids=req_ids,
@@ -253,7 +264,7 @@ def step(
         "finished_sending": finished_sending, "finished_recving": finished_recving,
         "failed_recving": failed_recving, "worker_meta": worker_meta,
     }
-    out = model_runner_output(scheduled, **kv_kwargs)
+    out = model_runner_output(scheduled, **kv_kwargs, load_error_blocks=pulled_blocks(scheduler, failed_recving))
     # Per-request EOS: patch the sampled tokens of the chosen ids.
     for i, rid in enumerate(out.req_ids):
         if rid in eos_ids:
@@ -263,10 +274,27 @@ def step(
     return Step(so, flat)
 
 
+def pulled_blocks(scheduler: Scheduler, request_ids: Iterable[str] | None) -> set[int]:
+    """The blocks a D worker pulls into for these requests: the ones not filled from the local prefix cache
+    (still unhashed while the load is pending), which is what the worker reports for a failed pull."""
+    blocks: set[int] = set()
+    for request_id in request_ids or ():
+        (group,) = scheduler.kv_cache_manager.coordinator.get_blocks(request_id)
+        blocks.update(b.block_id for b in group if b.block_hash is None and not b.is_null)
+    return blocks
+
+
+def waiting_queues(scheduler: Scheduler, *, with_deferred: bool = True) -> list[Any]:
+    """Every queue of not-yet-running requests the installed Scheduler has (0.32 adds kv_holding_waiting and
+    deferred_waiting, a set of requests that also sit in a queue, to 0.23's waiting and skipped_waiting)."""
+    names = ("waiting", "skipped_waiting", "kv_holding_waiting") + (("deferred_waiting",) if with_deferred else ())
+    return [getattr(scheduler, n) for n in names if hasattr(scheduler, n)]
+
+
 def run_until_idle(scheduler: Scheduler, max_steps: int = 64, **first_step_kv: Any) -> list[Step]:
     """Step until no request is waiting or running (finished-but-held requests may remain)."""
     steps = [step(scheduler, **first_step_kv)]
-    while scheduler.running or len(scheduler.waiting) or len(scheduler.kv_holding_waiting):
+    while scheduler.running or any(len(q) for q in waiting_queues(scheduler, with_deferred=False)):
         assert len(steps) < max_steps, "scheduler did not drain"
         steps.append(step(scheduler))
     return steps
@@ -291,10 +319,9 @@ def request_block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert len(scheduler.requests) == 0, list(scheduler.requests)
-    assert len(scheduler.waiting) == 0
-    assert len(scheduler.kv_holding_waiting) == 0
+    for queue in waiting_queues(scheduler):
+        assert len(queue) == 0, queue
     assert len(scheduler.running) == 0
-    assert len(scheduler.deferred_waiting) == 0
     assert len(scheduler.finished_recving_kv_req_ids) == 0
     assert len(scheduler.failed_recving_kv_req_ids) == 0
     assert len(scheduler._inflight_prefills) == 0
@@ -354,7 +381,10 @@ class FakeWorkers:
         self.plans.extend(meta.pulls)
         recv = {p.request_id for p in meta.pulls if p.awaiting}
         failed = recv & self.failing
-        out = model_runner_output(list(so.num_scheduled_tokens), finished_recving=recv, failed_recving=failed)
+        blocks = {b for p in meta.pulls if p.request_id in failed for b in p.local_block_ids}
+        out = model_runner_output(
+            list(so.num_scheduled_tokens), finished_recving=recv, failed_recving=failed, load_error_blocks=blocks
+        )
         engine_outputs = scheduler.update_from_output(so, out)
         return Step(so, [o for eco in engine_outputs.values() for o in eco.outputs])
 

@@ -136,9 +136,9 @@ def test_module_imported_before_the_plugin_is_patched_at_once(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        (RUNNER_CHANGED_SIGNATURE, "takes ('self', 'kv_cache_config', 'kernel_block_sizes'), expected "
-                                   "('self', 'kv_cache_config'); not wrapped"),
-        (RUNNER_WITHOUT_METHOD, "has no vllm_ascend.worker.model_runner_v1.NPUModelRunner._allocate_kv_cache_tensors"),
+        (RUNNER_CHANGED_SIGNATURE, "NPUModelRunner._allocate_kv_cache_tensors takes ('self', 'kv_cache_config', "
+                                   "'kernel_block_sizes'), expected ('self', 'kv_cache_config')"),
+        (RUNNER_WITHOUT_METHOD, "vllm_ascend.worker.model_runner_v1 has no NPUModelRunner._allocate_kv_cache_tensors"),
     ],
     ids=["changed-signature", "missing-method"],
 )

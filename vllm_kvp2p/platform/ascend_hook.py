@@ -14,35 +14,30 @@ back to merged per-tensor registration, where the region limit is checked up fro
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import inspect
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.platform.alloc_hook import EXPECTED_PARAMS, wrap_allocation_method
 
 logger = get_logger(__name__)
 
 TARGET_MODULE = "vllm_ascend.worker.model_runner_v1"
 TARGET_CLASS = "NPUModelRunner"
 TARGET_METHOD = "_allocate_kv_cache_tensors"
-EXPECTED_PARAMS = ("self", "kv_cache_config")
-#: Name of the connector-facade method the wrapper asks for an arena scope (absent on other connectors).
-ARENA_CONTEXT_METHOD = "kvp2p_arena_context"
+__all__ = ["EXPECTED_PARAMS", "ascend_arena_size", "install", "patch_module"]
 
 # vllm-ascend pads every piece it allocates (K, V, and for MLA/sparse models the rope or index cache) by one 2 MiB
 # alignment; at most this many pieces per KVCacheTensor are budgeted (over-reserves <= 2 MiB per layer otherwise).
 _PIECES_PER_TENSOR = 3
 _ALIGN = 2 << 20
 
-_WRAPPED_FLAG = "__kvp2p_arena_wrapped__"
 _lock = threading.Lock()
 _finder_installed = False
 
@@ -79,61 +74,16 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap ``NPUModelRunner._allocate_kv_cache_tensors`` in ``module``. False (with one warning) when it is not
     there in the expected form."""
     version = _vllm_ascend_version()
-    cls = getattr(module, TARGET_CLASS, None)
-    method = getattr(cls, TARGET_METHOD, None) if cls is not None else None
-    if method is None or not callable(method):
+    outcome = wrap_allocation_method(module, TARGET_CLASS, TARGET_METHOD, ascend_arena_size)
+    if not outcome.startswith("wrapped"):
         logger.warning(
-            "vllm-ascend %s has no %s.%s.%s: the KV cache will not come from the connector's arena; it is "
-            "registered per tensor (touching tensors merged) and the region limit is checked at registration",
-            version, TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+            "vllm-ascend %s: %s; the KV cache will not come from the connector's arena: it is registered per "
+            "tensor (touching tensors merged) and the region limit is checked at registration", version, outcome,
         )
         return False
-    if getattr(method, _WRAPPED_FLAG, False):
-        return True
-    params = _param_names(method)
-    if params != EXPECTED_PARAMS:
-        logger.warning(
-            "vllm-ascend %s: %s.%s takes %s, expected %s; not wrapped, so the KV cache is registered per tensor "
-            "(region limit checked at registration)", version, TARGET_CLASS, TARGET_METHOD, params, EXPECTED_PARAMS,
-        )
-        return False
-    setattr(cls, TARGET_METHOD, _wrap(method))
     logger.info("vllm-ascend %s: %s.%s now allocates the KV cache inside MooncakeP2PConnector's arena",
                 version, TARGET_CLASS, TARGET_METHOD)
     return True
-
-
-def _wrap(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    @functools.wraps(original)
-    def allocate_in_arena(self: Any, kv_cache_config: Any) -> Any:
-        scope = _connector_arena_scope(kv_cache_config)
-        if scope is None:
-            return original(self, kv_cache_config)
-        with scope:
-            return original(self, kv_cache_config)
-
-    setattr(allocate_in_arena, _WRAPPED_FLAG, True)
-    return allocate_in_arena
-
-
-def _connector_arena_scope(kv_cache_config: Any) -> AbstractContextManager[Any] | None:
-    """The active MooncakeP2PConnector's arena scope sized for vllm-ascend, or None (another connector, none, or
-    no arena on this build: vllm-ascend then allocates as usual)."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    make_scope = getattr(get_kv_transfer_group(), ARENA_CONTEXT_METHOD, None)
-    if make_scope is None:
-        return None
-    return make_scope(ascend_arena_size(kv_cache_config))
-
-
-def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return ()
 
 
 def _vllm_ascend_version() -> str:

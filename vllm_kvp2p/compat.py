@@ -1,0 +1,222 @@
+"""The one place that knows which vLLM versions exist and how their connector contracts differ.
+
+Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: 0.23.x and 0.32.x
+(docs/compatibility.md). Nothing else in the package compares versions or probes vLLM for optional parts: it asks
+this module. Where the contract differs, the difference is detected from vLLM's own classes (a method or field is
+there or not), not from the version number, so a patched or back-ported vLLM still gets the right path; the
+version number only decides whether to start at all and whether to warn.
+
+The differences handled here (0.23 -> 0.32):
+
+* finished transfers: 0.23's workers report ``get_finished() -> (sending, recving)`` and failed loads only as block
+  ids (``get_block_ids_with_load_errors``); 0.32 adds ``get_transfer_results()`` with ``failed_recving`` request
+  ids (:data:`REPORTS_FAILED_REQUESTS`, :class:`TransferResults`);
+* the memory-pool hook: 0.32's worker allocates the KV cache inside ``get_mem_pool_context()``; 0.23's never asks,
+  but its ``GPUModelRunner._allocate_kv_cache_tensors`` (the CPU runner inherits it) is a sound route for the same
+  scope (:func:`install_kv_allocation_route`);
+* ``CacheHitSource`` (0.32's per-source prefix-hit metrics) is absent from 0.23 (:data:`P2P_CACHE_HIT_SOURCE`);
+* ``ParallelConfig.data_parallel_index`` (:func:`data_parallel_index`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvp2p.log import get_logger
+
+logger = get_logger(__name__)
+
+#: Oldest vLLM the connector starts on; older ones are refused unless ALLOW_UNSUPPORTED_SETTING is set.
+MIN_SUPPORTED = (0, 23)
+#: Release series the test suite runs on (CI runs both).
+TESTED_SERIES = ((0, 23), (0, 32))
+#: The environment variable that lets an older vLLM start anyway. Environment only: the check runs when the
+#: connector module is imported, before vLLM hands it the kv_connector_extra_config.
+ALLOW_UNSUPPORTED_SETTING = "VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM"
+
+#: vllm-ascend release -> the vLLM release it is built for (vllm-ascend's versioning policy).
+ASCEND_MATRIX: dict[str, str] = {
+    "0.23.0.post1": "0.23.0",
+    "0.23.0": "0.23.0",
+}
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is older than the connector supports."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a vLLM version string such as ``0.23.0``, ``0.32.0+cpu`` or ``0.11.1rc2.dev3``."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "0.0.0"))
+
+
+@dataclass(frozen=True)
+class SupportVerdict:
+    """What the connector does on a given vLLM: start quietly, start with a warning, or refuse."""
+
+    version: str
+    supported: bool
+    tested: bool
+    message: str
+
+
+def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVerdict:
+    """Pure: the decision for ``version`` (no logging, no imports)."""
+    try:
+        parsed = parse_version(version)
+    except ValueError:
+        parsed = (0, 0, 0)
+    series = parsed[:2]
+    tested_names = " and ".join(f"{a}.{b}.x" for a, b in TESTED_SERIES)
+    supported_range = f"vLLM >= {MIN_SUPPORTED[0]}.{MIN_SUPPORTED[1]}"
+    if series < MIN_SUPPORTED:
+        if allow_unsupported:
+            return SupportVerdict(version, True, False, (
+                f"vLLM {version} is older than the supported range ({supported_range}; tested: {tested_names}); "
+                f"starting anyway because {ALLOW_UNSUPPORTED_SETTING} is set. Expect failures."
+            ))
+        return SupportVerdict(version, False, False, (
+            f"MooncakeP2PConnector supports {supported_range} (tested: {tested_names}); vLLM {version} is "
+            f"installed. Install a supported vLLM (docs/compatibility.md), or set {ALLOW_UNSUPPORTED_SETTING}=1 "
+            "to start anyway."
+        ))
+    if series in TESTED_SERIES:
+        return SupportVerdict(version, True, True, f"vLLM {version}: a tested version")
+    return SupportVerdict(version, True, False, (
+        f"vLLM {version} is untested with MooncakeP2PConnector (tested: {tested_names}); starting anyway. "
+        "Report problems with the vLLM version."
+    ))
+
+
+_checked = threading.Event()
+
+
+def allow_unsupported_from_env(env: Any = None) -> bool:
+    raw = (os.environ if env is None else env).get(ALLOW_UNSUPPORTED_SETTING, "")
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_vllm_supported(version: str | None = None) -> SupportVerdict:
+    """Refuse an unsupported vLLM (raises :class:`UnsupportedVllmError`); warn once per process for an untested
+    one. Called when the connector module is imported and again when a connector is created."""
+    verdict = support_verdict(version or installed_vllm_version(), allow_unsupported_from_env())
+    if not verdict.supported:
+        raise UnsupportedVllmError(verdict.message)
+    if not verdict.tested and not _checked.is_set():
+        logger.warning("%s", verdict.message)
+    _checked.set()
+    return verdict
+
+
+def ascend_pairing_problem(vllm_version: str, ascend_version: str | None) -> str | None:
+    """A sentence when the installed vLLM / vllm-ascend pair is not one of vllm-ascend's matrix, else None."""
+    if ascend_version is None:
+        return None
+    expected = ASCEND_MATRIX.get(ascend_version)
+    if expected is None:
+        known = ", ".join(f"vllm-ascend {a} + vLLM {v}" for a, v in ASCEND_MATRIX.items())
+        return f"vllm-ascend {ascend_version} is not in the tested matrix ({known}); see docs/compatibility.md"
+    if parse_version(vllm_version)[:3] != parse_version(expected)[:3]:
+        return (
+            f"vllm-ascend {ascend_version} is built for vLLM {expected} but vLLM {vllm_version} is installed; "
+            "install the pair from docs/compatibility.md"
+        )
+    return None
+
+
+def installed_ascend_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-ascend")
+    except PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- contract points
+
+def _base() -> Any:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    except ImportError:  # a vLLM too old for the v1 contract; check_vllm_supported refuses it
+        return None
+    return base
+
+
+#: True when vLLM's workers call ``get_transfer_results`` and take failed loads as request ids (0.32); False when
+#: they call ``get_finished`` and take failed loads only as block ids (0.23).
+REPORTS_FAILED_REQUESTS: bool = hasattr(_base(), "KVConnectorTransferResults")
+
+#: True when vLLM's worker allocates the KV cache inside the connector's ``get_mem_pool_context()``.
+HAS_MEM_POOL_HOOK: bool = hasattr(getattr(_base(), "KVConnectorBase_V1", None), "get_mem_pool_context")
+
+
+@dataclass(frozen=True)
+class _LocalTransferResults:
+    """Stand-in with the fields of 0.32's ``KVConnectorTransferResults`` (never handed to a 0.23 vLLM)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+TransferResults: Any = getattr(_base(), "KVConnectorTransferResults", _LocalTransferResults)
+
+
+def _p2p_cache_hit_source() -> Any:
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # vLLM without per-source prefix-hit metrics
+        return None
+    return CacheHitSource.P2P
+
+
+#: ``CacheHitSource.P2P`` where vLLM counts prefix hits per source, else None.
+P2P_CACHE_HIT_SOURCE: Any = _p2p_cache_hit_source()
+
+
+def data_parallel_index(parallel_config: Any) -> int:
+    """This engine's DP rank as the operator launched it. vLLM runs the DP ranks of a dense model as independent
+    engines and resets their ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``); only
+    ``data_parallel_index`` keeps the launch rank, so ports derived from the rank would collide. Versions without
+    the field fall back to the rank."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return int(index if index is not None else parallel_config.data_parallel_rank)
+
+
+# ------------------------------------------------------------------------------------- KV allocation route
+
+#: Where a vLLM without ``get_mem_pool_context`` allocates the KV cache: the CPU model runner inherits it.
+ALLOCATION_ROUTE = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_allocate_kv_cache_tensors")
+
+
+def install_kv_allocation_route() -> str:
+    """Make sure this worker's KV cache is allocated inside the connector's arena scope; returns how, for the
+    start-up log: "get_mem_pool_context" (vLLM calls it), "wrapped <Class.method>" (0.23: the allocation method
+    is wrapped, as the vllm-ascend hook does on NPU) or "none (...)" (per-tensor registration follows)."""
+    if HAS_MEM_POOL_HOOK:
+        return "get_mem_pool_context"
+    import importlib
+
+    from vllm_kvp2p.platform.alloc_hook import wrap_allocation_method
+
+    module_name, class_name, method_name = ALLOCATION_ROUTE
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return f"none ({module_name} not importable: {exc})"
+    return wrap_allocation_method(module, class_name, method_name, size_of=None)

@@ -1,0 +1,84 @@
+"""Run a model runner's KV-cache allocation method inside the active MooncakeP2PConnector's arena scope.
+
+Two workers allocate their KV cache without ever calling the connector's ``get_mem_pool_context()``: vllm-ascend's
+``NPUModelRunner`` (platform/ascend_hook.py) and vLLM 0.23's ``GPUModelRunner``, which its CPU runner inherits
+(vllm_kvp2p/compat.py). Both allocate every KV tensor in ``_allocate_kv_cache_tensors(self, kv_cache_config)``,
+after the connector exists, so wrapping that one method gives the arena the whole KV cache.
+
+The wrap is guarded by the method's signature, not a version list: when it is not there in the expected form,
+nothing is changed and the caller is told why (the connector then registers vLLM's tensors one by one, merged
+where they touch, with the platform's region limit checked up front).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any
+
+#: Parameters of the wrapped method in both vllm-ascend 0.23 and vLLM 0.23.
+EXPECTED_PARAMS = ("self", "kv_cache_config")
+#: Name of the connector-facade method the wrapper asks for an arena scope (absent on other connectors).
+ARENA_CONTEXT_METHOD = "kvp2p_arena_context"
+
+_WRAPPED_FLAG = "__kvp2p_arena_wrapped__"
+
+SizeOf = Callable[[Any], int]
+
+
+def wrap_allocation_method(module: ModuleType, class_name: str, method_name: str, size_of: SizeOf | None) -> str:
+    """Wrap ``module.class_name.method_name``; returns what happened, for the caller's log line: "wrapped X.y"
+    (now or before) or "none (<why>)". ``size_of(kv_cache_config)`` sizes the arena (None: the connector sizes it
+    from vLLM's own KVCacheConfig)."""
+    cls = getattr(module, class_name, None)
+    method = getattr(cls, method_name, None) if cls is not None else None
+    where = f"{class_name}.{method_name}"
+    if method is None or not callable(method):
+        return f"none ({module.__name__} has no {where})"
+    if getattr(method, _WRAPPED_FLAG, False):
+        return f"wrapped {where}"
+    params = param_names(method)
+    if params != EXPECTED_PARAMS:
+        return f"none ({where} takes {params}, expected {EXPECTED_PARAMS})"
+    setattr(cls, method_name, _wrap(method, size_of))
+    return f"wrapped {where}"
+
+
+def is_wrapped(method: Any) -> bool:
+    return bool(getattr(method, _WRAPPED_FLAG, False))
+
+
+def _wrap(original: Callable[[Any, Any], Any], size_of: SizeOf | None) -> Callable[[Any, Any], Any]:
+    @functools.wraps(original)
+    def allocate_in_arena(self: Any, kv_cache_config: Any) -> Any:
+        scope = connector_arena_scope(kv_cache_config, size_of)
+        if scope is None:
+            return original(self, kv_cache_config)
+        with scope:
+            return original(self, kv_cache_config)
+
+    setattr(allocate_in_arena, _WRAPPED_FLAG, True)
+    return allocate_in_arena
+
+
+def connector_arena_scope(kv_cache_config: Any, size_of: SizeOf | None) -> AbstractContextManager[Any] | None:
+    """The active MooncakeP2PConnector's arena scope, or None (another connector, none, or no arena on this build:
+    the runner then allocates as usual)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    make_scope = getattr(get_kv_transfer_group(), ARENA_CONTEXT_METHOD, None)
+    if make_scope is None:
+        return None
+    return make_scope(size_of(kv_cache_config) if size_of is not None else None)
+
+
+def param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()

@@ -5,7 +5,9 @@ Facts about the engine this adapter exists to contain (measured with the 0.3.13.
 * under P2PHANDSHAKE the engine picks its own RPC port; peers address it as ``host:get_rpc_port()``;
 * more than ~2048 entries in flight to one peer fail and can leave that peer unusable: batches are capped;
 * a descriptor crossing two registered regions fails; registering overlapping regions fails (-7);
-* ``MC_TRANSFER_TIMEOUT`` (>= 5 s) bounds every blocking read, and is read when the engine is constructed.
+* ``MC_TRANSFER_TIMEOUT`` (>= 5 s) bounds every blocking read, and is read when the engine is constructed;
+* 0.3.11.post1 (the release vllm-ascend 0.23 pairs with) registers memory without a ``location`` argument and
+  detects the memory kind itself; 0.3.13 takes it. The adapter passes it only where the engine accepts it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class ReadStats:
     entries: int
     num_bytes: int
     seconds: float
+
+
+def _takes_location(method: object) -> bool:
+    """Whether a pybind11 registration method has the ``location`` parameter (its signature is its docstring)."""
+    return "location" in (getattr(method, "__doc__", None) or "")
 
 
 class MooncakeEngine:
@@ -72,7 +79,10 @@ class MooncakeEngine:
         t0 = time.perf_counter()
         addrs = [a for a, _ in regions]
         lens = [n for _, n in regions]
-        rc = self._engine.batch_register_memory(addrs, lens, location)
+        if _takes_location(self._engine.batch_register_memory):
+            rc = self._engine.batch_register_memory(addrs, lens, location)
+        else:  # Mooncake <= 0.3.11: the engine finds the memory's location itself
+            rc = self._engine.batch_register_memory(addrs, lens)
         if rc != 0:
             raise TransferEngineError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
         self._regions.extend(regions)

@@ -111,14 +111,24 @@ def allow_unsupported_from_env(env: Any = None) -> bool:
 
 
 def check_vllm_supported(version: str | None = None) -> SupportVerdict:
-    """Refuse an unsupported vLLM (raises :class:`UnsupportedVllmError`); warn once per process for an untested
-    one. Called when the connector module is imported and again when a connector is created."""
+    """Refuse an unsupported vLLM (raises :class:`UnsupportedVllmError`); once per process, log the stack in one
+    line, warn for an untested vLLM and for a vLLM / vllm-ascend pair outside vllm-ascend's matrix. Called when
+    the connector module is imported and again when a connector is created."""
     verdict = support_verdict(version or installed_vllm_version(), allow_unsupported_from_env())
     if not verdict.supported:
         raise UnsupportedVllmError(verdict.message)
-    if not verdict.tested and not _checked.is_set():
-        logger.warning("%s", verdict.message)
-    _checked.set()
+    if not _checked.is_set():
+        _checked.set()
+        ascend = installed_ascend_version()
+        logger.info(
+            "MooncakeP2PConnector on vLLM %s (%s), vllm-ascend %s, Mooncake %s", verdict.version,
+            "tested" if verdict.tested else "untested", ascend or "not installed", installed_mooncake_version(),
+        )
+        if not verdict.tested:
+            logger.warning("%s", verdict.message)
+        pairing = ascend_pairing_problem(verdict.version, ascend)
+        if pairing is not None:
+            logger.warning("%s", pairing)
     return verdict
 
 
@@ -138,13 +148,26 @@ def ascend_pairing_problem(vllm_version: str, ascend_version: str | None) -> str
     return None
 
 
-def installed_ascend_version() -> str | None:
+def _distribution_version(*names: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("vllm-ascend")
-    except PackageNotFoundError:
-        return None
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_ascend_version() -> str | None:
+    return _distribution_version("vllm-ascend")
+
+
+def installed_mooncake_version() -> str:
+    found = _distribution_version(
+        "mooncake-transfer-engine-npu", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"
+    )
+    return found or "not installed"
 
 
 # ---------------------------------------------------------------------------------------------- contract points

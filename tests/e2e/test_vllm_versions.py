@@ -1,0 +1,44 @@
+"""What the running vLLM version changes, seen on the real P/D engines of this package's cluster.
+
+Runs under every vLLM the suite runs on (scripts/test.sh runs it on 0.32 and on 0.23). The expectation for each
+version is written here from vLLM's own code, not taken from vllm_kvp2p.compat, so a wrong seam fails the test.
+"""
+
+from __future__ import annotations
+
+import re
+
+import vllm
+
+from vllm_kvp2p.compat import parse_version
+from vllm_kvp2p.testing.cluster import PDCluster
+
+# Which route gives the KV cache the connector's arena, per tested vLLM series:
+#   0.32: gpu_worker.py allocates inside get_kv_transfer_group().get_mem_pool_context()
+#   0.23: no such hook; the CPU runner inherits GPUModelRunner._allocate_kv_cache_tensors, which we wrap
+EXPECTED_ROUTE = {
+    (0, 32): "get_mem_pool_context",
+    (0, 23): "wrapped GPUModelRunner._allocate_kv_cache_tensors",
+}
+
+
+def _route_lines(log: str) -> list[str]:
+    return re.findall(r"KV cache allocation route to the connector's arena: (.*)", log)
+
+
+def test_kv_cache_comes_from_one_arena_by_the_route_this_vllm_has(cluster: PDCluster) -> None:
+    series = parse_version(vllm.__version__)[:2]
+    assert series in EXPECTED_ROUTE, f"the suite has no expectation for vLLM {vllm.__version__}"
+    for server in (cluster.prefill, cluster.decode):
+        log = server.log_path.read_text(errors="replace")
+        routes = _route_lines(log)
+        assert routes and all(r.strip() == EXPECTED_ROUTE[series] for r in routes), (server.log_path, routes)
+        # ... and the route worked: the whole KV cache is one registered region, from the arena.
+        registrations = re.findall(r"registered as (\d+) region\(s\) \(([^)]*)\)", log)
+        assert registrations == [("1", "one arena")], (server.log_path, registrations)
+
+
+def test_the_log_says_which_vllm_runs_and_warns_only_when_untested(cluster: PDCluster) -> None:
+    log = cluster.decode.log_path.read_text(errors="replace")
+    assert "untested with MooncakeP2PConnector" not in log  # both CI versions are tested ones
+    assert "Traceback" not in log

@@ -8,6 +8,7 @@ whole KV cache is one span of the arena, i.e. one Mooncake registration.
 from __future__ import annotations
 
 import gc
+import inspect
 import subprocess
 import sys
 import threading
@@ -298,7 +299,11 @@ def test_arena_size_for_older_per_tensor_configs():
 
 
 def test_vllm_allocate_kv_cache_lands_in_one_arena_span():
+    """vLLM >= 0.32: its allocate_kv_cache, run inside the scope get_mem_pool_context() returns."""
     pytest.importorskip("vllm")
+    kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    if not hasattr(kv_cache_interface, "compute_layout_strides"):
+        pytest.skip("this vLLM (0.23) allocates in GPUModelRunner._allocate_kv_cache_tensors: see the next test")
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -346,3 +351,53 @@ def test_vllm_allocate_kv_cache_lands_in_one_arena_span():
     del kv_caches, t
     gc.collect()
     a.close()
+
+
+def test_vllm_023_allocation_route_lands_in_one_arena(monkeypatch: pytest.MonkeyPatch):
+    """vLLM 0.23: no get_mem_pool_context; the real GPUModelRunner._allocate_kv_cache_tensors (the CPU runner
+    inherits it), wrapped by compat.install_kv_allocation_route, allocates every layer inside the connector's arena.
+    Without the wrap (the original method) nothing lands in it."""
+    pytest.importorskip("vllm")
+    from vllm_kvp2p import compat
+
+    if compat.HAS_MEM_POOL_HOOK:
+        pytest.skip("this vLLM calls get_mem_pool_context: see the previous test")
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.worker import gpu_model_runner
+
+    runner_cls = gpu_model_runner.GPUModelRunner
+    original = inspect.unwrap(runner_cls.__dict__["_allocate_kv_cache_tensors"])
+    monkeypatch.setattr(runner_cls, "_allocate_kv_cache_tensors", original)  # restored after the test
+    assert compat.install_kv_allocation_route() == "wrapped GPUModelRunner._allocate_kv_cache_tensors"
+    assert compat.install_kv_allocation_route() == "wrapped GPUModelRunner._allocate_kv_cache_tensors"  # idempotent
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    size = spec.page_size_bytes * 32
+    config = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=[n]) for n in names],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+
+    class Connector:  # what the wrapper asks of the active connector (MooncakeP2PConnector.kvp2p_arena_context)
+        arena: KvArena | None = None
+
+        def kvp2p_arena_context(self, size_bytes):
+            assert size_bytes is None  # sized by the connector from its own KVCacheConfig
+            self.arena = KvArena(arena_size_for(config))
+            return self.arena.scope()
+
+    connector = Connector()
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    runner = SimpleNamespace(device=torch.device("cpu"), runner_only_attn_layers=set())
+    kv = runner_cls._allocate_kv_cache_tensors(runner, config)
+    arena = connector.arena
+    assert arena is not None and list(kv) == names
+    assert all(_in(arena, t) for t in kv.values())
+    spans = sorted(_span(t) for t in kv.values())
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))  # disjoint pieces of one region
+
+    plain = original(runner, config)  # the unwrapped method: vLLM's own allocator, outside the arena
+    assert not any(_in(arena, t) for t in plain.values())

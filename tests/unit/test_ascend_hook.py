@@ -108,7 +108,8 @@ def _run(tmp_path: Path, runner_source: str, *, import_first: bool = False, run:
     script = SCENARIO.format(import_first=import_first, run=run)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # VLLM_CONFIGURE_LOGGING=0: vLLM 0.23 otherwise installs its own handler over the scenario's basicConfig.
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path), "VLLM_CONFIGURE_LOGGING": "0"},
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

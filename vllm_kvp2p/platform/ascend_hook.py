@@ -44,10 +44,24 @@ _finder_installed = False
 
 def ascend_arena_size(kv_cache_config: Any) -> int:
     """Bytes vllm-ascend's ``_allocate_kv_cache_tensors`` asks for: each KVCacheTensor's size plus one 2 MiB
-    alignment pad per piece, plus 2 MiB slack, rounded to 2 MiB."""
+    alignment pad per piece, plus 2 MiB slack, rounded to 2 MiB.
+
+    A KVCacheTensor whose first layer is an attention layer and which is shared with other layers (a hidden-state
+    or cache-only layer) is allocated twice by vllm-ascend 0.23.0.post1: its attention branch marks only the names
+    containing "attn" as done, so the single-tensor branch allocates the whole size again for the others
+    (model_runner_v1.py:4118 and :4280). With the other layer first, one allocation serves all. Both orders run
+    through the released code in tests/unit/test_vllm_ascend_release.py."""
     tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
-    total = sum(int(t.size) + _PIECES_PER_TENSOR * _ALIGN for t in tensors) + _ALIGN
+    total = sum(_tensor_budget(t) for t in tensors) + _ALIGN
     return -(-total // _ALIGN) * _ALIGN
+
+
+def _tensor_budget(tensor: Any) -> int:
+    size = int(tensor.size)
+    names = [str(n) for n in (getattr(tensor, "shared_by", None) or [])]
+    if names and "attn" in names[0] and any("attn" not in n for n in names):
+        return 2 * size + (_PIECES_PER_TENSOR + 1) * _ALIGN
+    return size + _PIECES_PER_TENSOR * _ALIGN
 
 
 def install() -> bool:

@@ -1,9 +1,11 @@
 """Give vllm-ascend's NPU worker the KV arena even though it never calls ``get_mem_pool_context()``.
 
 vLLM's GPU worker (and the CPU worker that inherits it) allocates the KV cache inside the connector's
-``get_mem_pool_context()``. vllm-ascend's ``NPUWorker.initialize_from_config`` does not (checked at vllm-ascend
-commit 182b75ea84): its ``NPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` allocates each K and V
-itself, padded to 2 MiB alignment, so the KV cache would be two regions per layer, against HCCL's 256.
+``get_mem_pool_context()``. vllm-ascend's ``NPUWorker.initialize_from_config`` does not (checked against the
+0.23.0.post1 release by tests/unit/test_vllm_ascend_release.py): its
+``NPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` allocates each piece itself (K, V and, for sparse
+MLA models, the indexer cache: 1 to 3 per KVCacheTensor), each padded to 2 MiB alignment, so the KV cache would be
+up to three regions per layer, against HCCL's 256.
 
 :func:`install` runs from the plugin (``vllm_kvp2p.register``) and must stay cheap: when vllm-ascend is installed
 it only adds an import hook; when ``vllm_ascend.worker.model_runner_v1`` is imported (or already was), that method

@@ -7,6 +7,7 @@ override works); 0.23.x and 0.32.x: start quietly; anything else from 0.23 on: s
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -93,7 +94,7 @@ def test_an_old_vllm_gets_the_message_not_an_import_error() -> None:
         "del base.KVConnectorBase_V1\n"  # what an old vLLM lacks: importing it would be an ImportError
         "import vllm_kvp2p.connector\n"
     )
-    env_blocked = {k: v for k, v in __import__("os").environ.items() if k != compat.ALLOW_UNSUPPORTED_SETTING}
+    env_blocked = {k: v for k, v in os.environ.items() if k != compat.ALLOW_UNSUPPORTED_SETTING}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env_blocked)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

@@ -1,0 +1,69 @@
+"""One real P/D pair serving a tiny DeepSeek-V3 (MLA) model, plus a single-instance tiny Llama as a control, on
+127.0.0.1; started once for this package, stopped when it is done.
+
+vLLM's CPU platform runs MLA only from vLLM 0.32 (0.23 raises "MLA is not supported on CPU." at start-up), so on
+0.23 the package is skipped with vLLM's own message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_kvp2p.testing.cluster import kv_transfer_config
+from vllm_kvp2p.testing.server import VllmServer, VllmServerError, free_port
+from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE, make_tiny_deepseek_v3
+from vllm_kvp2p.testing.tiny_model import make_tiny_llama
+
+MLA_ARGS = ("--dtype", "float32", "--block-size", str(MLA_BLOCK_SIZE))
+UNSUPPORTED = "MLA is not supported on CPU."
+
+
+class MlaPair:
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        side_channel = free_port()
+        self.prefill = VllmServer(
+            model, free_port(), cpus="0", log_path=log_dir / "prefill.log",
+            extra_args=(*MLA_ARGS, "--kv-transfer-config", kv_transfer_config("kv_producer")),
+            env={"VLLM_KVP2P_SIDE_CHANNEL_PORT": str(side_channel)},
+        )
+        self.decode = VllmServer(
+            model, free_port(), cpus="1", log_path=log_dir / "decode.log",
+            extra_args=(*MLA_ARGS, "--kv-transfer-config", kv_transfer_config("kv_consumer", test_hooks=True)),
+        )
+
+    def __enter__(self) -> MlaPair:
+        try:
+            self.prefill.start()
+            self.decode.start()
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except VllmServerError:
+            log = self.prefill.log_path.read_text(errors="replace")
+            self.__exit__()
+            if UNSUPPORTED in log:
+                pytest.skip(f"this vLLM runs no MLA on CPU: {UNSUPPORTED!r} at start-up")
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.decode.stop()
+        self.prefill.stop()
+
+
+@pytest.fixture(scope="package")
+def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlaPair]:
+    model = make_tiny_deepseek_v3(tmp_path_factory.mktemp("models") / "tiny-deepseek-v3")
+    with MlaPair(model, tmp_path_factory.mktemp("mla-logs")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="package")
+def llama_single(mla_pair: MlaPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The control for the position-consistency check: the same check on the tiny Llama (float32)."""
+    model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+    log = tmp_path_factory.mktemp("llama-logs") / "single.log"
+    with VllmServer(model, free_port(), cpus="0", log_path=log) as server:
+        yield server

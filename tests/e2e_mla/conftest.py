@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvp2p.testing.cluster import kv_transfer_config
-from vllm_kvp2p.testing.server import VllmServer, VllmServerError, free_port
+from vllm_kvp2p.testing.server import VllmServer, VllmServerError, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE, make_tiny_deepseek_v3
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
@@ -66,4 +66,21 @@ def llama_single(mla_pair: MlaPair, tmp_path_factory: pytest.TempPathFactory) ->
     model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
     log = tmp_path_factory.mktemp("llama-logs") / "single.log"
     with VllmServer(model, free_port(), cpus="0", log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def mla_prefill_tp2(mla_pair: MlaPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A second P at --tensor-parallel-size 2 (ranks pinned to cores 0 and 1; see tests/e2e_tp/conftest.py) for the
+    same D: the latent cache is replicated on every P rank and D reads it from one."""
+    side_channel = free_port_run(2)
+    server = VllmServer(
+        mla_pair.prefill.model_path, free_port(), cpus="0|1",
+        log_path=tmp_path_factory.mktemp("mla-tp2-logs") / "prefill-tp2.log",
+        extra_args=(*MLA_ARGS, "--kv-transfer-config", kv_transfer_config("kv_producer"),
+                    "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+        env={"VLLM_KVP2P_SIDE_CHANNEL_PORT": str(side_channel)},
+        ready_timeout=400,
+    )
+    with server:
         yield server

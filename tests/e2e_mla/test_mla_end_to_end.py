@@ -95,3 +95,27 @@ def test_a_corrupted_mla_transfer_changes_the_answer(mla_pair: MlaPair) -> None:
     assert clean == again  # P/D is deterministic
     corrupted = through_pd(kvp2p_test_corrupt=True)
     assert max(abs(a - b) for a, b in zip(clean, corrupted)) > 0.1
+
+
+def _answer_through(prefill: VllmServer, decode: VllmServer, prompt: list[int]) -> tuple[list[float], dict]:
+    first = _post(prefill.url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = {**first["kv_transfer_params"], "do_remote_prefill": True}
+    out = _post(decode.url, {"prompt": prompt, "max_tokens": 6, "logprobs": 1, "kv_transfer_params": params})
+    return out["choices"][0]["logprobs"]["token_logprobs"], out["kv_transfer_params"][PULL_REPORT_KEY]
+
+
+@pytest.mark.parametrize("num_tokens", [34, 182])
+def test_d_pulls_the_whole_latent_cache_from_one_rank_of_p_at_tp2(
+    mla_pair: MlaPair, mla_prefill_tp2: VllmServer, num_tokens: int
+) -> None:
+    """The latent cache is replicated on every P rank: D (TP 1) reads all of it from one rank of P at TP 2, the
+    same blocks and bytes as from P at TP 1, and decodes deterministically from it. The answers are not compared
+    with P at TP 1: vLLM 0.32's CPU MLA gives different answers at TP 1 and TP 2 on single instances without any
+    connector (prompt logprobs up to 5.9 nats apart; docs/models.md)."""
+    prompt = [300 + (i * 13) % 150 for i in range(num_tokens)]
+    _, pull1 = _answer_through(mla_pair.prefill, mla_pair.decode, prompt)
+    answer, pull2 = _answer_through(mla_prefill_tp2, mla_pair.decode, prompt)
+    again, _ = _answer_through(mla_prefill_tp2, mla_pair.decode, prompt)
+    assert pull1["ok"] and pull2["ok"], (pull1, pull2)
+    assert (pull2["blocks"], pull2["bytes"]) == (pull1["blocks"], pull1["bytes"]), (pull1, pull2)
+    assert answer == again

@@ -38,7 +38,7 @@ def wrap_allocation_method(module: ModuleType, class_name: str, method_name: str
     where = f"{class_name}.{method_name}"
     if method is None or not callable(method):
         return f"none ({module.__name__} has no {where})"
-    if getattr(method, _WRAPPED_FLAG, False):
+    if is_wrapped(method):
         return f"wrapped {where}"
     params = param_names(method)
     if params != EXPECTED_PARAMS:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from vllm_kvp2p.testing.tiny_model import SPECIAL_TOKENS, _build_tokenizer, _dump_json
-
-MARKER = ".kvp2p_tiny_deepseek.json"
+from vllm_kvp2p.testing.tiny_model import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    _dump_json,
+    _spec,
+    build_model_dir,
+    write_tokenizer_files,
+)
 
 #: What vLLM's CPU MLA backend needs.
 MLA_BLOCK_SIZE = 16
@@ -34,33 +38,22 @@ def make_tiny_deepseek_v3(
     max_pos: int = 2048,
     dtype: str = "bfloat16",
 ) -> Path:
-    """Write (or reuse, when built with the same arguments) the model at ``path``; returns it."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """Write (or reuse, when built with the same arguments) the model at ``path``; returns it. Same directory
+    rules as make_tiny_llama (:func:`~vllm_kvp2p.testing.tiny_model.build_model_dir`)."""
+    spec = _spec(architecture="DeepseekV3ForCausalLM", seed=seed, num_layers=num_layers, hidden=hidden,
+                 heads=heads, vocab=vocab, max_pos=max_pos, dtype=dtype)
 
-    path = Path(path)
-    spec = {"seed": seed, "num_layers": num_layers, "hidden": hidden, "heads": heads, "vocab": vocab,
-            "max_pos": max_pos, "dtype": dtype, "format": 1}
-    try:
-        if json.loads((path / MARKER).read_text()) == spec:
-            return path
-    except (OSError, ValueError):
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        tok, _allowed, tokenizer_config, special_tokens_map = _build_tokenizer(vocab, max_pos)
-        tok.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(_dump_json(tokenizer_config))
-        (tmp / "special_tokens_map.json").write_text(_dump_json(special_tokens_map))
-        bos, eos, pad = (SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<pad>"))
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
         config = DeepseekV3Config(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
             num_hidden_layers=num_layers, first_k_dense_replace=num_layers, num_attention_heads=heads,
             num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
             topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
-            v_head_dim=64, max_position_embeddings=max_pos, bos_token_id=bos, eos_token_id=eos,
-            pad_token_id=pad, initializer_range=hidden**-0.5, tie_word_embeddings=False,
+            v_head_dim=64, max_position_embeddings=max_pos, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID, initializer_range=hidden**-0.5, tie_word_embeddings=False,
         )
         torch.manual_seed(seed)
         model = DeepseekV3ForCausalLM(config)
@@ -78,13 +71,7 @@ def make_tiny_deepseek_v3(
         written = json.loads((tmp / "config.json").read_text())
         written["torch_dtype"] = dtype
         (tmp / "config.json").write_text(_dump_json(written))
-        (tmp / "generation_config.json").write_text(
-            _dump_json({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
-        )
-        (tmp / MARKER).write_text(_dump_json(spec))
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-        return path
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # After save_pretrained, whose own generation_config.json this replaces with the token-ids-only one.
+        write_tokenizer_files(tmp, vocab, max_pos)
+
+    return build_model_dir(Path(path), spec, write)

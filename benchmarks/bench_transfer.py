@@ -432,9 +432,9 @@ class Puller:
         if check:
             picks, expected = self._prepare_check(lids, rids)
         self.conn_call("hold", (req, hold))
-        remote = RemotePrefill(self.p["engine_id"], req, HOST, self.p["port"], list(rids), hold,
+        remote = RemotePrefill(self.p["engine_id"], req, HOST, self.p["port"], [list(rids)], hold,
                                len(rids) * g["block_size"], g["block_size"])
-        plan = PullPlan("d-" + req, remote, tuple(lids), tuple(rids), True)
+        plan = PullPlan("d-" + req, remote, (tuple(lids),), (tuple(rids),), True)
         t0 = time.perf_counter()
         self.loop.submit(plan)
         results = []

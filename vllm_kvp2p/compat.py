@@ -221,6 +221,13 @@ def data_parallel_index(parallel_config: Any) -> int:
     return int(index if index is not None else parallel_config.data_parallel_rank)
 
 
+def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """KV-cache groups that take part in KV transfer: vLLM 0.32 lets a group opt out (``enable_kv_transfer``,
+    ``KVCacheConfig.transfer_group_ids``); in 0.23 every group does."""
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    return tuple(ids) if ids is not None else tuple(range(len(kv_cache_config.kv_cache_groups)))
+
+
 # ------------------------------------------------------------------------------------- KV allocation route
 
 #: Where a vLLM without ``get_mem_pool_context`` allocates the KV cache: the CPU model runner inherits it.

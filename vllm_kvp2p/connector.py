@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from vllm_kvp2p.config import KVP2PConfig  # noqa: E402
@@ -36,8 +37,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-class MooncakeP2PConnector(KVConnectorBase_V1):
-    """Mooncake peer-to-peer KV connector: D pulls a prompt's KV straight out of P's memory."""
+class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
+    """Mooncake peer-to-peer KV connector: D pulls a prompt's KV straight out of P's memory.
+
+    Supports vLLM's hybrid allocator (``SupportsHMA``): block ids come and go per KV-cache group
+    (vllm_kvp2p/kv_groups.py)."""
 
     if compat.P2P_CACHE_HIT_SOURCE is not None:
         _cache_hit_source = compat.P2P_CACHE_HIT_SOURCE
@@ -61,7 +65,7 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
         platform = get_platform(self.config.platform)
         worker_polling.apply_setting(self.config.worker_busy_poll, platform.default_worker_busy_poll)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config)
+            self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config, kv_cache_config)
         else:
             self.worker_side = WorkerSide(
                 vllm_config, kv_cache_config, self.engine_id, self.config, platform,
@@ -90,10 +94,16 @@ class MooncakeP2PConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return self._kv_cache_config.transfer_group_ids
+        return compat.transfer_group_ids(self._kv_cache_config)
 
     # ------------------------------------------------------------------ worker side
 

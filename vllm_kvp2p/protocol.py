@@ -18,10 +18,11 @@ from typing import Any, Union
 
 import msgspec
 
+from vllm_kvp2p.kv_groups import KVGroup
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: block ids per KV-cache group
 
 
 # --------------------------------------------------------------------------- kv_transfer_params
@@ -34,7 +35,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_request_id: str  # P's internal request id (vLLM suffixes ids, so P's and D's differ)
     remote_host: str
     remote_port: int  # side-channel port of P's (dp, tp 0); rank r listens on remote_port + r
-    remote_block_ids: list[int]
+    # One list per KV-cache group (vLLM's order of transfer groups), each cut to what a decoder needs and ending
+    # with the block of the prompt's last token (vllm_kvp2p/kv_groups.py). One list for a model without HMA.
+    remote_block_ids: list[list[int]]
     remote_hold_id: str  # fences a claim to exactly this hold of these blocks
     remote_num_tokens: int  # tokens P computed (and whose KV the blocks hold)
     remote_block_size: int
@@ -79,6 +82,14 @@ class RankRegistration(msgspec.Struct, frozen=True):
     head_size: int
     use_mla: bool = False
     protocol_version: int = PROTOCOL_VERSION
+    groups: list[KVGroup] = msgspec.field(default_factory=list)  # empty: one full-attention group
+    plane_groups: list[int] = msgspec.field(default_factory=list)  # group index of each plane; empty: all 0
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return tuple(self.groups) or (KVGroup("full", self.block_size),)
+
+    def group_of_planes(self) -> tuple[int, ...]:
+        return tuple(self.plane_groups) or (0,) * len(self.planes)
 
 
 # --------------------------------------------------------------------------- side-channel messages

@@ -267,4 +267,6 @@ class PullLoop:
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:
     outcome = Outcome.FAILED if plan.awaiting else Outcome.NOTHING_TO_PULL
-    return PullResult(plan.request_id, outcome, plan.awaiting, plan.local_block_ids, reason=f"internal error: {exc}")
+    return PullResult(
+        plan.request_id, outcome, plan.awaiting, plan.all_local_block_ids, reason=f"internal error: {exc}"
+    )

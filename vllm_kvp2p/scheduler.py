@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvp2p.compat import data_parallel_index
+from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.kv_groups import FULL, groups_from_vllm, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import RemotePrefill
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -86,7 +88,9 @@ class KVP2PWorkerMetadata(KVConnectorWorkerMetadata):
 class SchedulerSide:
     """The connector's scheduler half."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, config: KVP2PConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, config: KVP2PConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
         kv_config = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
         self.config = config
@@ -96,7 +100,11 @@ class SchedulerSide:
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
         self.side_channel_port = config.side_channel_port_for(data_parallel_index(parallel), self.tp_size, 0)
-        self.consumer = ConsumerSchedule(self.block_size)
+        # Refuses a KV cache it cannot move (Mamba state, ...) here, at engine start-up.
+        self.group_ids = transfer_group_ids(kv_cache_config)
+        self.groups = groups_from_vllm(kv_cache_config, self.group_ids)
+        self._full_group = next((i for i, g in enumerate(self.groups) if g.kind == FULL), None)
+        self.consumer = ConsumerSchedule(self.block_size, self.groups)
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}
 
@@ -115,14 +123,10 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        unhashed = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        # The local prefix-cache hit is the run of already-hashed blocks at the start; request.num_computed_tokens
-        # cannot tell it (vLLM updates it only after this call).
-        (group,) = blocks.blocks
-        num_local_computed = sum(1 for b in group if b.block_hash is not None and not b.is_null) * self.block_size
-        plan = self.consumer.on_alloc(
-            request.request_id, params, num_external_tokens, unhashed, num_local_computed
-        )
+        per_group = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+        unhashed = [per_group[gid] for gid in self.group_ids] if per_group else []
+        local_hit = self._local_hit_tokens(request, blocks, num_external_tokens)
+        plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit)
         if plan is not None:
             logger.debug(
                 "planned pull of %s: %d blocks (%s) from %s",
@@ -130,9 +134,23 @@ class SchedulerSide:
                 plan.remote.remote_engine_id,
             )
 
+    def _local_hit_tokens(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> int:
+        """D's local prefix-cache hit: the run of already-hashed blocks at the start of a full-attention group
+        (request.num_computed_tokens cannot tell it: vLLM updates it only after update_state_after_alloc). With
+        sliding-window groups only (their older blocks are null), what D loads ends where P's tokens end."""
+        if self._full_group is None:
+            params = request.kv_transfer_params or {}
+            loaded = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+            return max(0, loaded - num_external_tokens) if num_external_tokens > 0 else 0
+        group = blocks.blocks[self.group_ids[self._full_group]]
+        return sum(1 for b in group if b.block_hash is not None and not b.is_null) * self.block_size
+
     # ------------------------------------------------------------------ both: request end
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list per KV-cache group, as vLLM's ``request_finished_all_groups`` gives them."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -146,8 +164,11 @@ class SchedulerSide:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing for a decoder, free now
-        if not block_ids:
+        if not any(block_ids):
             return False, None
+        num_tokens = request.num_computed_tokens
+        # Each transfer group cut to what a decoder needs (sliding windows: the tail), ending at the last block.
+        offered = [needed_tail(g, block_ids[gid], num_tokens) for g, gid in zip(self.groups, self.group_ids)]
         hold_id = uuid.uuid4().hex
         self._holds.append(HoldOrder(request.request_id, hold_id))
         remote = RemotePrefill(
@@ -155,9 +176,9 @@ class SchedulerSide:
             remote_request_id=request.request_id,
             remote_host=self.config.host,
             remote_port=self.side_channel_port,
-            remote_block_ids=list(block_ids),
+            remote_block_ids=offered,
             remote_hold_id=hold_id,
-            remote_num_tokens=request.num_computed_tokens,
+            remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             tp_size=self.tp_size,
         )

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p.compat import data_parallel_index
+from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.kv_groups import groups_from_vllm, layer_groups_from_vllm
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
@@ -122,21 +123,33 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
         model = self.vllm_config.model_config
-        layers = [(name, [_view(t) for t in _tensors_of(entry)]) for name, entry in kv_caches.items()]
+        group_ids = transfer_group_ids(self.kv_cache_config)
+        groups = groups_from_vllm(self.kv_cache_config, group_ids)
+        group_of_layer = layer_groups_from_vllm(self.kv_cache_config, group_ids)
+        # Only transferred layers; with HMA, layers of different groups share memory (one tensor per position).
+        names = [n for n in kv_caches if n in group_of_layer]
+        layers = [(name, [_view(t) for t in _tensors_of(kv_caches[name])]) for name in names]
         num_blocks = self.kv_cache_config.num_blocks
         use_mla = bool(model.use_mla)
         local_heads = 1 if use_mla else model.get_num_kv_heads(self.vllm_config.parallel_config)
-        planes, shapes = kv_geometry(layers, num_blocks, self.block_size, local_heads)
+        planes, shapes, plane_groups = [], [], []
+        for layer in layers:
+            layer_planes, layer_shapes = kv_geometry([layer], num_blocks, self.block_size, local_heads)
+            planes += layer_planes
+            shapes += layer_shapes
+            plane_groups += [group_of_layer[layer[0]]] * len(layer_planes)
         regions, how = self._regions([v for _, vs in layers for v in vs])
         first = _tensors_of(next(iter(kv_caches.values())))[0]
         self.local = LocalKV(
             planes=tuple(planes),
             shapes=tuple(shapes),
             block_size=self.block_size,
-            layer_names=tuple(kv_caches),
+            layer_names=tuple(names),
             dtype=str(first.dtype).removeprefix("torch."),
             total_num_kv_heads=1 if use_mla else model.get_total_num_kv_heads(),
             use_mla=use_mla,
+            groups=groups,
+            plane_groups=tuple(plane_groups),
         )
         with self.platform.service_threads():
             self._start_services(regions, how, first, num_blocks, local_heads, model.get_head_size())
@@ -150,8 +163,10 @@ class WorkerSide:
         self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
         self.engine.register(regions, self.platform.memory_location(first))
         logger.info(
-            "rank %d: %d layers, %d KV planes of %d blocks (%s), registered as %d region(s) (%s)",
-            self.tp_rank, len(local.layer_names), len(local.planes), num_blocks,
+            "rank %d: %d layers in %d KV-cache group(s) (%s), %d KV planes of %d blocks (%s), registered as %d "
+            "region(s) (%s)",
+            self.tp_rank, len(local.layer_names), len(local.kv_groups()),
+            ", ".join(g.describe() for g in local.kv_groups()), len(local.planes), num_blocks,
             "head-major" if local.shapes[0].head_major else "token-major", len(regions), how,
         )
         registration = RankRegistration(
@@ -169,6 +184,8 @@ class WorkerSide:
             total_num_kv_heads=local.total_num_kv_heads,
             head_size=head_size,
             use_mla=local.use_mla,
+            groups=list(local.groups),
+            plane_groups=list(local.plane_groups),
         )
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
@@ -214,7 +231,7 @@ class WorkerSide:
                 if r.report_failed:
                     failed.add(r.request_id)
                     if self._load_errors_as_blocks:
-                        self._load_error_blocks.update(r.local_block_ids)
+                        self._load_error_blocks.update(r.local_block_ids)  # of every group
                 self._reports[r.request_id] = PullReport(
                     not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason
                 )

@@ -79,7 +79,7 @@ def test_prefill_returns_tp_size_2_params(tp_cluster: TPCluster) -> None:
     assert params["tp_size"] == 2
     assert params["remote_port"] == tp_cluster.side_channel_port
     assert params["remote_num_tokens"] == len(prompt)
-    assert len(params["remote_block_ids"]) == math.ceil(len(prompt) / BLOCK_SIZE)
+    assert len(params["remote_block_ids"][0]) == math.ceil(len(prompt) / BLOCK_SIZE)
     assert params["do_remote_prefill"] is True
     # Hand it to D (which also releases P's hold) and check the answer; the pull itself is judged below.
     d = post(tp_cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))

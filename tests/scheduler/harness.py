@@ -126,17 +126,28 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(vllm_config: VllmConfig, *, num_blocks: int = 1000) -> Scheduler:
+def make_kv_cache_config(block_size: int, num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+    """One full-attention group; with ``sliding_window``, a second group of sliding-window layers (what vLLM's
+    hybrid allocator makes of a model with mixed layers, e.g. gpt-oss)."""
+    groups = [
+        KVCacheGroupSpec(
+            ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        )
+    ]
+    if sliding_window is not None:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        groups.append(KVCacheGroupSpec(["swa_layer"], SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window,
+        )))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def make_scheduler(
+    vllm_config: VllmConfig, *, num_blocks: int = 1000, sliding_window: int | None = None
+) -> Scheduler:
     block_size = vllm_config.cache_config.block_size
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-            )
-        ],
-    )
+    kv_cache_config = make_kv_cache_config(block_size, num_blocks, sliding_window)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
@@ -381,7 +392,7 @@ class FakeWorkers:
         self.plans.extend(meta.pulls)
         recv = {p.request_id for p in meta.pulls if p.awaiting}
         failed = recv & self.failing
-        blocks = {b for p in meta.pulls if p.request_id in failed for b in p.local_block_ids}
+        blocks = {b for p in meta.pulls if p.request_id in failed for b in p.all_local_block_ids}
         out = model_runner_output(
             list(so.num_scheduled_tokens), finished_recving=recv, failed_recving=failed, load_error_blocks=blocks
         )

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.scheduler.harness import make_vllm_config
+from tests.scheduler.harness import make_kv_cache_config, make_vllm_config
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.protocol import RemotePrefill
 from vllm_kvp2p.scheduler import SchedulerSide
@@ -23,7 +23,7 @@ def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size
     vllm_config.parallel_config.data_parallel_index = dp_rank
     vllm_config.parallel_config.data_parallel_rank = dp_rank if moe else 0
     config = KVP2PConfig.from_sources({"side_channel_port": 20000}, env={})
-    side = SchedulerSide(vllm_config, f"engine_dp{dp_rank}", config)
+    side = SchedulerSide(vllm_config, f"engine_dp{dp_rank}", config, make_kv_cache_config(16, 100))
     assert side.side_channel_port == 20000 + dp_rank * tp_size
     worker_ports = {config.side_channel_port_for(dp_rank, tp_size, r) for r in range(tp_size)}
     assert side.side_channel_port in worker_ports  # D adds the P rank to it
@@ -32,7 +32,7 @@ def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size
 
     request = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
                               status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
-    delay, params = side.request_finished(request, [1, 2, 3])
+    delay, params = side.request_finished(request, ([1, 2, 3],))
     remote = RemotePrefill.from_params(params)
     assert delay and remote is not None
     assert remote.tp_size == tp_size and remote.remote_port == side.side_channel_port

@@ -65,7 +65,7 @@ def remote_params(num_tokens: int, *, first_block: int = 200, request_id: str = 
         remote_request_id=request_id,
         remote_host="127.0.0.1",
         remote_port=14600,
-        remote_block_ids=list(range(first_block, first_block + n_blocks)),
+        remote_block_ids=[list(range(first_block, first_block + n_blocks))],
         remote_hold_id=hold_id,
         remote_num_tokens=num_tokens,
         remote_block_size=block_size,
@@ -118,8 +118,8 @@ def test_p_remote_decode_holds_blocks_until_finished_sending(num_tokens):
     assert remote is not None
     n_blocks = math.ceil(num_tokens / BS)
     assert n_blocks >= 1
-    assert remote.remote_block_ids == list(allocated)[:n_blocks]
-    assert len(remote.remote_block_ids) == n_blocks
+    assert remote.remote_block_ids == [list(allocated)[:n_blocks]]
+    assert len(remote.remote_block_ids[0]) == n_blocks
     assert remote.remote_num_tokens == num_tokens
     assert remote.remote_request_id == "p1"
     assert remote.remote_engine_id == P_ENGINE
@@ -158,7 +158,7 @@ def test_p_prefix_cache_hit_advertises_all_blocks():
     prompt = tokens(40)
     params1, _ = prefill_on_p(sched, "p1", prompt)
     params2, _ = prefill_on_p(sched, "p2", prompt)
-    ids1, ids2 = params1["remote_block_ids"], params2["remote_block_ids"]
+    (ids1,), (ids2,) = params1["remote_block_ids"], params2["remote_block_ids"]
     assert len(ids1) == len(ids2) == 3
     assert ids1[:2] == ids2[:2]  # the two full blocks are shared through the prefix cache
     assert ids1[2] != ids2[2]  # the partial tail is each request's own
@@ -170,7 +170,7 @@ def test_p_prefix_cache_hit_advertises_all_blocks():
 
 def test_p_abort_before_scheduling_frees_now_without_params():
     sched = p_scheduler()
-    finished = Spy(sched, "request_finished")
+    finished = Spy(sched, "request_finished_all_groups")
     sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     sched.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
     assert finished.results("p1") == [(False, None)]
@@ -182,7 +182,7 @@ def test_p_abort_before_scheduling_frees_now_without_params():
 def test_p_abort_mid_prefill_frees_now_without_params():
     """Aborted while its (chunked) prefill is in flight: no hold, blocks freed at once."""
     sched = p_scheduler(max_num_batched_tokens=32)
-    finished = Spy(sched, "request_finished")
+    finished = Spy(sched, "request_finished_all_groups")
     sched.add_request(make_request("p1", 100, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"p1": 32}
@@ -243,8 +243,8 @@ def test_d_basic_pull_lifecycle(num_tokens):
     assert plan.request_id == "d1"
     assert plan.awaiting
     assert plan.error == ""
-    assert plan.local_block_ids == tuple(local)
-    assert plan.remote_block_ids == tuple(p_blocks[:n_blocks]) == tuple(params["remote_block_ids"])
+    assert plan.local_block_ids == (tuple(local),)
+    assert plan.remote_block_ids == (tuple(p_blocks[:n_blocks]),) == (tuple(params["remote_block_ids"][0]),)
     assert plan.remote.remote_hold_id == params["remote_hold_id"]
 
     # While the pull runs nothing is re-planned.
@@ -349,8 +349,8 @@ def test_d_partial_prefix_hit_pulls_only_missing_blocks(local_blocks):
     assert len(all_local) == n_blocks
     (plan,) = st.meta.pulls
     assert plan.awaiting and plan.error == ""
-    assert plan.local_block_ids == tuple(all_local[local_blocks:])
-    assert plan.remote_block_ids == tuple(p_blocks[local_blocks:n_blocks])
+    assert plan.local_block_ids == (tuple(all_local[local_blocks:]),)
+    assert plan.remote_block_ids == (tuple(p_blocks[local_blocks:n_blocks]),)
 
     step(d_sched, finished_recving={"d1"})
     st = step(d_sched)
@@ -384,7 +384,7 @@ def test_d_local_hit_with_short_tail_computes_the_tail_and_releases_p():
 
 def test_d_abort_while_waiting_for_remote_kvs_keeps_blocks_until_recv():
     sched = d_scheduler()
-    finished = Spy(sched, "request_finished")
+    finished = Spy(sched, "request_finished_all_groups")
     sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=remote_params(40)))
     st = step(sched)
     assert len(st.meta.pulls) == 1
@@ -515,7 +515,7 @@ def test_d_waits_for_blocks_then_plans_once():
     results = matched.results("d1")
     assert len(results) >= 2 and set(results) == {(40, True)}  # asked repeatedly, same answer
     (plan,) = collect_plans(steps)
-    assert plan.awaiting and plan.local_block_ids == tuple(request_block_ids(sched, "d1"))
+    assert plan.awaiting and plan.local_block_ids == (tuple(request_block_ids(sched, "d1")),)
     steps = run_until_idle(sched, finished_recving={"d1"})
     assert collect_plans(steps) == []
     assert_scheduler_empty(sched)
@@ -553,7 +553,7 @@ def test_d_incompatible_block_size_plan_fails_and_recomputes():
 def test_d_unparseable_params_run_locally():
     sched = d_scheduler()
     matched = Spy(sched, "get_num_new_matched_tokens")
-    finished = Spy(sched, "request_finished")
+    finished = Spy(sched, "request_finished_all_groups")
     sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params={"do_remote_prefill": True}))
     steps = run_until_idle(sched)
     assert matched.results("d1") == [(0, False)]
@@ -587,9 +587,9 @@ def test_d_blocks_being_loaded_are_never_prefix_hits():
     st = step(sched)
     plans = {p.request_id: p for p in st.meta.pulls}
     assert set(plans) == {"d1", "d2"}
-    assert len(plans["d1"].local_block_ids) == len(plans["d2"].local_block_ids) == 3
-    assert not set(plans["d1"].local_block_ids) & set(plans["d2"].local_block_ids)
-    assert plans["d2"].remote_block_ids == (300, 301, 302)
+    assert plans["d1"].num_blocks == plans["d2"].num_blocks == 3
+    assert not set(plans["d1"].all_local_block_ids) & set(plans["d2"].all_local_block_ids)
+    assert plans["d2"].remote_block_ids == ((300, 301, 302),)
     run_until_idle(sched, finished_recving={"d1", "d2"})
     assert_scheduler_empty(sched)
 

@@ -27,7 +27,7 @@ BS = 16
 
 
 def params(n_blocks: int = 4, num_tokens: int = 60) -> dict:
-    return RemotePrefill("P", "p-req", "127.0.0.1", 9000, list(range(10, 10 + n_blocks)), "hold", num_tokens,
+    return RemotePrefill("P", "p-req", "127.0.0.1", 9000, [list(range(10, 10 + n_blocks))], "hold", num_tokens,
                          BS).to_params()
 
 
@@ -57,15 +57,15 @@ def test_partial_hit_with_tail_shorter_than_a_block_computes_locally() -> None:
 
 def test_partial_hit_pulls_only_missing_blocks() -> None:
     s = ConsumerSchedule(BS)
-    plan = s.on_alloc("d1", params(), 28, [7, 8], 32)  # 2 of 4 blocks cached locally
+    plan = s.on_alloc("d1", params(), 28, [[7, 8]], 32)  # 2 of 4 blocks cached locally
     assert plan is not None and plan.awaiting
-    assert plan.local_block_ids == (7, 8) and plan.remote_block_ids == (12, 13)
+    assert plan.local_block_ids == ((7, 8),) and plan.remote_block_ids == ((12, 13),)
 
 
 def test_plan_is_made_once_whatever_the_call_order() -> None:
     s = ConsumerSchedule(BS)
-    first = s.on_alloc("d1", params(), 60, [1, 2, 3, 4], 0)
-    assert s.on_alloc("d1", params(), 0, [5], 60) is None  # vLLM's second call after promotion
+    first = s.on_alloc("d1", params(), 60, [[1, 2, 3, 4]], 0)
+    assert s.on_alloc("d1", params(), 0, [[5]], 60) is None  # vLLM's second call after promotion
     assert s.matched_tokens("d1", params(), 60, 0) == (0, False)  # preempted: recompute locally
     assert s.on_finished("d1", params()) is None  # P is released by the pull itself
     assert s.take_plans() == [first]
@@ -80,28 +80,28 @@ def test_rejected_request_releases_p_at_finish() -> None:
 def test_non_p2p_requests_are_ignored() -> None:
     s = ConsumerSchedule(BS)
     assert s.matched_tokens("d1", None, 60, 0) == (0, False)
-    assert s.on_alloc("d1", {"do_remote_prefill": True}, 10, [1], 0) is None  # malformed params
+    assert s.on_alloc("d1", {"do_remote_prefill": True}, 10, [[1]], 0) is None  # malformed params
     assert s.on_finished("d2", {"do_remote_decode": True}) is None
 
 
 def test_incompatible_block_sizes_fail_the_plan_not_the_engine() -> None:
     s = ConsumerSchedule(24)
-    plan = s.on_alloc("d1", params(), 60, [1, 2, 3], 0)
+    plan = s.on_alloc("d1", params(), 60, [[1, 2, 3]], 0)
     assert plan is not None and plan.awaiting and "P uses 16, D uses 24" in plan.error
 
 
 def test_larger_d_blocks_map_to_several_p_blocks() -> None:
     s = ConsumerSchedule(32)
-    plan = s.on_alloc("d1", params(), 28, [5], 32)  # tokens 32..59 of P's 16-token blocks 12, 13
+    plan = s.on_alloc("d1", params(), 28, [[5]], 32)  # tokens 32..59 of P's 16-token blocks 12, 13
     assert plan is not None and not plan.error
-    assert plan.remote_block_ids == (12, 13) and plan.remote_token_offset == 0
+    assert plan.remote_block_ids == ((12, 13),) and plan.remote_token_offset == 0
 
 
 def test_smaller_d_blocks_start_inside_a_p_block() -> None:
     s = ConsumerSchedule(8)
-    plan = s.on_alloc("d1", params(), 36, [5, 6, 7, 8, 9], 24)  # token 24 is token 8 of P's block 11
+    plan = s.on_alloc("d1", params(), 36, [[5, 6, 7, 8, 9]], 24)  # token 24 is token 8 of P's block 11
     assert plan is not None and not plan.error
-    assert plan.remote_block_ids == (11, 12, 13) and plan.remote_token_offset == 8
+    assert plan.remote_block_ids == ((11, 12, 13),) and plan.remote_token_offset == 8
 
 
 # ----------------------------------------------------------------------------- pull
@@ -130,7 +130,7 @@ def pull(plan: PullPlan, **kw) -> ConsumerPull:
 
 
 def awaiting_plan() -> PullPlan:
-    return PullPlan("d1", RemotePrefill.from_params(params()), (3, 4, 9), (10, 11, 12), awaiting=True)
+    return PullPlan("d1", RemotePrefill.from_params(params()), ((3, 4, 9),), ((10, 11, 12),), awaiting=True)
 
 
 def test_happy_path_sequence() -> None:

@@ -26,7 +26,7 @@ def test_reply_round_trip_and_no_pickle() -> None:
 
 
 def test_transfer_params_round_trip_and_reject_garbage() -> None:
-    rp = RemotePrefill("e", "r", "h", 1, [1, 2], "hold", 40, 16, tp_size=2)
+    rp = RemotePrefill("e", "r", "h", 1, [[1, 2]], "hold", 40, 16, tp_size=2)
     params = rp.to_params()
     assert params["do_remote_prefill"] is True and params["remote_request_id"] == "r"
     params["remote_prefill_cached_tokens"] = 0  # vLLM adds keys of its own

@@ -42,11 +42,11 @@ def test_frozen_p_delays_only_its_own_lane(frozen_p: int, threads: int) -> None:
                           side_channel_timeout=FROZEN_TIMEOUT, claim_wait=1.0, max_batch_entries=4,
                           max_threads=threads)
     try:
-        frozen = RemotePrefill("p-frozen-" + uuid.uuid4().hex[:4], "req-frozen", "127.0.0.1", frozen_p, [1, 2],
+        frozen = RemotePrefill("p-frozen-" + uuid.uuid4().hex[:4], "req-frozen", "127.0.0.1", frozen_p, [[1, 2]],
                                "h-frozen", 2 * BLOCK, BLOCK)
         pair.holds.hold("req-ok", "h1")
         t0 = time.monotonic()
-        pair.pulls.submit(PullPlan("d-req-frozen", frozen, (5, 6), (1, 2), True))
+        pair.pulls.submit(PullPlan("d-req-frozen", frozen, ((5, 6),), ((1, 2),), True))
         pair.pulls.submit(pair.plan("req-ok", [3, 4], [7, 8]))
         done: dict[str, tuple[float, object]] = {}
         deadline = t0 + 4 * FROZEN_TIMEOUT + 10

@@ -62,9 +62,9 @@ class Pair:
 
     def plan(self, request_id: str, remote_ids: list[int], local_ids: list[int], hold_id: str = "h1",
              awaiting: bool = True) -> PullPlan:
-        remote = RemotePrefill(self.engine_id, request_id, "127.0.0.1", self.port, remote_ids, hold_id,
+        remote = RemotePrefill(self.engine_id, request_id, "127.0.0.1", self.port, [list(remote_ids)], hold_id,
                                len(remote_ids) * BLOCK, BLOCK)
-        return PullPlan("d-" + request_id, remote, tuple(local_ids), tuple(remote_ids), awaiting)
+        return PullPlan("d-" + request_id, remote, (tuple(local_ids),), (tuple(remote_ids),), awaiting)
 
     def wait_result(self, timeout: float = 20.0):
         deadline = time.monotonic() + timeout
@@ -149,9 +149,9 @@ def test_dead_p_fails_fast() -> None:
     loop = PullLoop(d_engine, reader="d:0", tp_size=1, tp_rank=0, local=local,
                     side_channel_timeout=0.5, claim_wait=0.5, max_batch_entries=8)
     try:
-        remote = RemotePrefill("gone", "r", "127.0.0.1", free_port(), [0], "h", BLOCK, BLOCK)
+        remote = RemotePrefill("gone", "r", "127.0.0.1", free_port(), [[0]], "h", BLOCK, BLOCK)
         t0 = time.monotonic()
-        loop.submit(PullPlan("d-r", remote, (1,), (0,), True))
+        loop.submit(PullPlan("d-r", remote, ((1,),), ((0,),), True))
         deadline = time.monotonic() + 10
         results = []
         while not results and time.monotonic() < deadline:

@@ -101,7 +101,8 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
         for hs in holds:
             hs.hold(req, "hold-1")
         first, offset = divmod(first_token, p_bs)
-        remote = RemotePrefill(engine_id, req, "127.0.0.1", base_port, p_ids, "hold-1", total, p_bs, tp_size=p_tp)
+        remote = RemotePrefill(engine_id, req, "127.0.0.1", base_port, [list(p_ids)], "hold-1", total, p_bs,
+                               tp_size=p_tp)
         loops, d_tensors, d_ids_of = [], [], []
         for d in range(d_tp):
             nb = 30 + d
@@ -115,7 +116,8 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
                             side_channel_timeout=3, claim_wait=2, max_batch_entries=64)
             d_ids = list(range(2, 2 + -(-n_tokens // d_bs)))
             remote_ids = tuple(p_ids[first:]) if p_bs != d_bs else tuple(p_ids[first : first + len(d_ids)])
-            loop.submit(PullPlan(f"d{d}-{req}", remote, tuple(d_ids), remote_ids, True, remote_token_offset=offset))
+            loop.submit(PullPlan(f"d{d}-{req}", remote, (tuple(d_ids),), (tuple(remote_ids),), True,
+                                 remote_token_offset=offset))
             loops.append(loop)
             d_tensors.append(tensors)
             d_ids_of.append(d_ids)

@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.protocol import RemotePrefill
+
+BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
 
 # --------------------------------------------------------------------------- scheduler half
 
@@ -32,8 +35,8 @@ class PullPlan:
 
     request_id: str  # D's own request id
     remote: RemotePrefill
-    local_block_ids: tuple[int, ...]  # D blocks to fill, in token order; empty: nothing to pull
-    remote_block_ids: tuple[int, ...]  # P blocks holding the same tokens (one to one when block sizes match)
+    local_block_ids: BlockIds  # per KV-cache group: D blocks to fill, in token order; empty: nothing to pull
+    remote_block_ids: BlockIds  # per group: P blocks holding the same tokens (one to one when block sizes match)
     awaiting: bool  # vLLM waits for a finished receive (it asked for > 0 external tokens)
     error: str = ""  # the plan is already known to fail (the worker still releases P)
     test_corrupt: bool = False  # test hook (honoured only with the test_hooks setting): corrupt what was pulled
@@ -41,14 +44,19 @@ class PullPlan:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.local_block_ids)
+        return sum(len(g) for g in self.local_block_ids)
+
+    @property
+    def all_local_block_ids(self) -> tuple[int, ...]:
+        return tuple(b for g in self.local_block_ids for b in g)
 
 
 class ConsumerSchedule:
     """Per-request pull decisions on D's scheduler."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, groups: tuple[KVGroup, ...] | None = None) -> None:
         self.block_size = block_size
+        self.groups = groups or single_full_group(block_size)
         self._planned: set[str] = set()
         self._pending: list[PullPlan] = []
 
@@ -74,10 +82,13 @@ class ConsumerSchedule:
         request_id: str,
         params: dict[str, Any] | None,
         num_external_tokens: int,
-        unhashed_block_ids: Sequence[int],
+        unhashed_block_ids: Sequence[Sequence[int]],
         num_local_computed: int,
     ) -> PullPlan | None:
-        """vLLM allocated blocks for the request: plan the pull (or the release) exactly once."""
+        """vLLM allocated blocks for the request: plan the pull (or the release) exactly once.
+
+        ``unhashed_block_ids``: per KV-cache group, D's blocks past its local prefix-cache hit, in token order and
+        ending with the block of the last token D loads (vLLM's ``get_unhashed_block_ids_all_groups``)."""
         if request_id in self._planned or not params or not params.get("do_remote_prefill"):
             return None
         remote = RemotePrefill.from_params(params)
@@ -87,7 +98,11 @@ class ConsumerSchedule:
         if num_external_tokens <= 0:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
-            plan = self._pull_plan(request_id, remote, tuple(unhashed_block_ids), num_local_computed)
+            local = tuple(tuple(g) for g in unhashed_block_ids)
+            if len(self.groups) == 1:
+                plan = self._pull_plan(request_id, remote, local, num_local_computed)
+            else:
+                plan = self._hybrid_pull_plan(request_id, remote, local, num_local_computed + num_external_tokens)
             if params.get(TEST_CORRUPT_KEY):
                 plan = dataclasses.replace(plan, test_corrupt=True)
         self._pending.append(plan)
@@ -116,24 +131,61 @@ class ConsumerSchedule:
         return plans
 
     def _pull_plan(
-        self, request_id: str, remote: RemotePrefill, local_ids: tuple[int, ...], num_local_computed: int
+        self, request_id: str, remote: RemotePrefill, local: BlockIds, num_local_computed: int
     ) -> PullPlan:
+        """One full-attention group (no HMA): P's and D's block sizes may differ."""
         p_bs, d_bs = remote.remote_block_size, self.block_size
+        if len(remote.remote_block_ids) != 1 or len(local) != 1:
+            return PullPlan(
+                request_id, remote, local, (), awaiting=True,
+                error=f"KV-cache groups differ: P sent {len(remote.remote_block_ids)}, D has {len(self.groups)} "
+                "(P and D must serve the same model with the same hybrid-allocator setting)",
+            )
         if p_bs <= 0 or (p_bs % d_bs and d_bs % p_bs):
             return PullPlan(
-                request_id, remote, local_ids, (), awaiting=True,
+                request_id, remote, local, (), awaiting=True,
                 error=f"block sizes incompatible: P uses {p_bs}, D uses {d_bs}; one must divide the other",
             )
+        (local_ids,), (offered,) = local, remote.remote_block_ids
         first, offset = divmod(num_local_computed, p_bs)
-        remote_ids = tuple(remote.remote_block_ids[first:])
+        remote_ids = tuple(offered[first:])
         if p_bs == d_bs:
             remote_ids = remote_ids[: len(local_ids)]
-        needed = min(remote.remote_num_tokens, len(remote.remote_block_ids) * p_bs) - num_local_computed
+        needed = min(remote.remote_num_tokens, len(offered) * p_bs) - num_local_computed
         available = len(remote_ids) * p_bs - offset
         if not local_ids or available < needed or len(local_ids) * d_bs < needed:
             return PullPlan(
-                request_id, remote, local_ids, remote_ids, awaiting=True,
-                error=f"P offers {len(remote.remote_block_ids)} blocks of {p_bs} tokens from token "
+                request_id, remote, local, (remote_ids,), awaiting=True,
+                error=f"P offers {len(offered)} blocks of {p_bs} tokens from token "
                 f"{num_local_computed}, D needs {needed} tokens in {len(local_ids)} blocks of {d_bs}",
             )
-        return PullPlan(request_id, remote, local_ids, remote_ids, awaiting=True, remote_token_offset=offset)
+        return PullPlan(request_id, remote, local, (remote_ids,), awaiting=True, remote_token_offset=offset)
+
+    def _hybrid_pull_plan(self, request_id: str, remote: RemotePrefill, local: BlockIds, num_tokens: int) -> PullPlan:
+        """Several KV-cache groups (HMA): per group, D's needed tail pairs with the tail of P's list (both lists
+        end at the prompt's last block, see vllm_kvp2p/kv_groups.py); block sizes must match."""
+        def failed(error: str) -> PullPlan:
+            return PullPlan(request_id, remote, local, (), awaiting=True, error=error)
+
+        if len(remote.remote_block_ids) != len(self.groups) or len(local) != len(self.groups):
+            return failed(
+                f"KV-cache groups differ: P sent {len(remote.remote_block_ids)}, D has {len(self.groups)} "
+                "(P and D must serve the same model with the same hybrid-allocator setting)"
+            )
+        if remote.remote_block_size != self.block_size:
+            return failed(f"hybrid models need one block size: P uses {remote.remote_block_size}, D {self.block_size}")
+        if remote.remote_num_tokens != num_tokens:
+            return failed(f"P computed {remote.remote_num_tokens} tokens, D loads {num_tokens}: hybrid models pull "
+                          "whole prompts")
+        local_out, remote_out = [], []
+        for i, (group, mine, offered) in enumerate(zip(self.groups, local, remote.remote_block_ids)):
+            limit = group.max_blocks
+            needed = mine[-limit:] if limit is not None else mine
+            if len(needed) > len(offered):
+                return failed(f"group {i} ({group.describe()}): P offers {len(offered)} blocks, D needs "
+                              f"{len(needed)}")
+            local_out.append(tuple(needed))
+            remote_out.append(tuple(offered[len(offered) - len(needed):]))
+        if not any(local_out):
+            return failed(f"D has no blocks to fill for {num_tokens} tokens")
+        return PullPlan(request_id, remote, tuple(local_out), tuple(remote_out), awaiting=True)

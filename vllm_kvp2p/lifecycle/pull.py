@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
@@ -36,6 +37,14 @@ class LocalKV:
     dtype: str
     total_num_kv_heads: int
     use_mla: bool = False
+    groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
+    plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return self.groups or single_full_group(self.block_size)
+
+    def group_of_planes(self) -> tuple[int, ...]:
+        return self.plane_groups or (0,) * len(self.planes)
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ class PullResult:
     request_id: str
     outcome: Outcome
     awaiting: bool
-    local_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]  # of every group
     num_blocks: int = 0
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -162,9 +171,9 @@ class ConsumerPull:
         self._bytes = 0
         self._descriptors = 0
         self._failure = plan.error
-        nothing = not plan.local_block_ids or not plan.awaiting or not self._readable
+        nothing = not plan.num_blocks or not plan.awaiting or not self._readable
         self._phase = _Phase.RELEASE if (nothing or self._failure) else _Phase.REGISTRATION
-        if plan.awaiting and plan.local_block_ids and not self._readable and not self._failure:
+        if plan.awaiting and plan.num_blocks and not self._readable and not self._failure:
             self._failure = "the TP mapping gives this D rank nothing to read"
         self._result: PullResult | None = None
 
@@ -289,27 +298,47 @@ class ConsumerPull:
 
     def _release(self, source: Source) -> Release:
         r = self.plan.remote
-        pulled = not self._failure and bool(source.slices) and bool(self.plan.local_block_ids) and self.plan.awaiting
+        pulled = not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, pulled)
 
     def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
+        """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
         plan, local = self.plan, self.local
-        remote_shapes = tuple(reg.block_shapes)
+        local_of, remote_of = local.group_of_planes(), reg.group_of_planes()
+        out = Descriptors([], [], [])
+        for g, (local_ids, remote_ids) in enumerate(zip(plan.local_block_ids, plan.remote_block_ids)):
+            if not local_ids:
+                continue
+            mine = [i for i, pg in enumerate(local_of) if pg == g]
+            theirs = [i for i, pg in enumerate(remote_of) if pg == g]
+            d = self._group_descriptors(
+                source, reg, [local.planes[i] for i in mine], tuple(local.shapes[i] for i in mine),
+                [reg.planes[i] for i in theirs], tuple(reg.block_shapes[i] for i in theirs), local_ids, remote_ids,
+            )
+            out.local_addrs.extend(d.local_addrs)
+            out.remote_addrs.extend(d.remote_addrs)
+            out.lengths.extend(d.lengths)
+        return out
+
+    def _group_descriptors(
+        self, source: Source, reg: RankRegistration, local_planes: list[PlaneGeometry],
+        local_shapes: tuple[BlockShape, ...], remote_planes: list[PlaneGeometry],
+        remote_shapes: tuple[BlockShape, ...], local_ids: Sequence[int], remote_ids: Sequence[int],
+    ) -> Descriptors:
+        plan, local = self.plan, self.local
         whole_blocks = (
             len(source.slices) == 1
             and reg.block_size == local.block_size
             and plan.remote_token_offset == 0
-            and remote_shapes == local.shapes
-            and all(source.slices[0] == _whole(sh, source.p_rank) for sh in local.shapes)
+            and remote_shapes == local_shapes
+            and all(source.slices[0] == _whole(sh, source.p_rank) for sh in local_shapes)
         )
         if whole_blocks:  # block for block: the merged-runs fast path (C++ when built)
-            return build_descriptors(local.planes, reg.planes, plan.local_block_ids, plan.remote_block_ids)
-        chunks = token_chunks(
-            plan.local_block_ids, local.block_size, plan.remote_block_ids, reg.block_size, plan.remote_token_offset
-        )
+            return build_descriptors(local_planes, remote_planes, local_ids, remote_ids)
+        chunks = token_chunks(local_ids, local.block_size, remote_ids, reg.block_size, plan.remote_token_offset)
         out = Descriptors([], [], [])
         for s in source.slices:
-            d = build_sliced_descriptors(local.planes, local.shapes, reg.planes, remote_shapes, chunks,
+            d = build_sliced_descriptors(local_planes, local_shapes, remote_planes, remote_shapes, chunks,
                                          s.local_head, s.remote_head, s.num_heads)
             out.local_addrs.extend(d.local_addrs)
             out.remote_addrs.extend(d.remote_addrs)
@@ -330,6 +359,9 @@ class ConsumerPull:
             return f"total KV heads: P has {reg.total_num_kv_heads}, D has {local.total_num_kv_heads}"
         if len(reg.planes) != len(local.planes):
             return f"P has {len(reg.planes)} KV planes, D has {len(local.planes)}"
+        if _kinds(reg.kv_groups()) != _kinds(local.kv_groups()) or reg.group_of_planes() != local.group_of_planes():
+            return (f"KV-cache groups: P has {_groups_text(reg.kv_groups())}, D has {_groups_text(local.kv_groups())} "
+                    "(the same model on both, with the hybrid allocator on both or off on both)")
         for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
             if p_sh.inner_bytes != d_sh.inner_bytes:
                 return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
@@ -341,7 +373,7 @@ class ConsumerPull:
         plan = self.plan
         if self._failure:
             outcome = Outcome.FAILED
-        elif not plan.local_block_ids or not plan.awaiting:
+        elif not plan.num_blocks or not plan.awaiting:
             outcome = Outcome.NOTHING_TO_PULL
         else:
             outcome = Outcome.PULLED
@@ -349,12 +381,21 @@ class ConsumerPull:
             request_id=plan.request_id,
             outcome=outcome,
             awaiting=plan.awaiting,
-            local_block_ids=plan.local_block_ids,
+            local_block_ids=plan.all_local_block_ids,
             num_blocks=plan.num_blocks if outcome is Outcome.PULLED else 0,
             num_bytes=self._bytes,
             num_descriptors=self._descriptors,
             reason=self._failure,
         )
+
+
+def _kinds(groups: Sequence[KVGroup]) -> list[tuple[str, int]]:
+    """What must match between P and D (block sizes are checked on their own: without HMA they may differ)."""
+    return [(g.kind, g.sliding_window) for g in groups]
+
+
+def _groups_text(groups: Sequence[KVGroup]) -> str:
+    return "[" + ", ".join(g.describe() for g in groups) + "]"
 
 
 def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:

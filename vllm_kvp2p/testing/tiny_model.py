@@ -268,6 +268,8 @@ def make_tiny_llama(
     dtype: str = "float32",
     intermediate: int | None = None,
     qk_std: float = 0.125,
+    sliding_window: int | None = None,
+    layer_types: tuple[str, ...] | None = None,
 ) -> Path:
     """Write (or reuse) a tiny random Llama model directory at ``path`` and return it as a :class:`Path`.
 
@@ -275,6 +277,9 @@ def make_tiny_llama(
     512). ``vocab`` is the exact vocabulary size of both the tokenizer and the model (BPE tokens learned from the
     built-in corpus, padded with ``<|extra_N|>`` tokens). ``intermediate`` defaults to ``2 * hidden``. ``qk_std`` is
     the std of the q/k projection weights; the default gives attention logits with std ~4 (sharp attention).
+    ``sliding_window`` with ``layer_types`` (one of ``"sliding_attention"`` / ``"full_attention"`` per layer, as
+    gpt-oss and Gemma 3 configs spell it; vLLM's Llama reads both) makes a model with mixed sliding-window and
+    full-attention layers: with vLLM's hybrid allocator, two KV-cache groups.
 
     Idempotent: if ``path`` already holds a model built with the same arguments (marker file ``MARKER_NAME``), it
     is reused untouched. A directory built with other arguments is rebuilt; any other non-empty directory is left
@@ -301,7 +306,11 @@ def make_tiny_llama(
         dtype=dtype,
         intermediate=intermediate,
         qk_std=qk_std,
+        # Only when set, so the markers of existing models (and their bytes) stay the same.
+        **({"sliding_window": sliding_window, "layer_types": list(layer_types or ())} if sliding_window else {}),
     )
+    if sliding_window is not None and (layer_types is None or len(layer_types) != num_layers):
+        raise ValueError("sliding_window needs layer_types, one entry per layer")
     def write(tmp: Path) -> None:
         from safetensors.torch import save_file
 
@@ -333,6 +342,8 @@ def make_tiny_llama(
             "use_cache": True,
             "vocab_size": vocab,
         }
+        if sliding_window is not None:
+            config.update(sliding_window=sliding_window, layer_types=list(layer_types or ()))
         (tmp / "config.json").write_text(_dump_json(config))
         tensors = _build_weights(
             seed=seed,

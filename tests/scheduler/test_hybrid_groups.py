@@ -1,0 +1,132 @@
+"""vLLM's real ``Scheduler`` with its hybrid allocator (HMA): a full-attention group and a sliding-window group.
+
+The connector declares ``SupportsHMA``, so vLLM keeps HMA on; block ids then come and go per KV-cache group. For
+a sliding window of ``w`` tokens P offers, and D pulls, only the blocks inside the window (at most
+``cdiv(w, block_size) + 1``); full attention moves every block; everything ends with both schedulers empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm.v1.request import RequestStatus
+
+from tests.scheduler.harness import (
+    assert_scheduler_empty,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    step,
+    tokens,
+)
+
+BS = 16
+WINDOW = 40  # tokens: cdiv(40, 16) + 1 = 4 blocks at most
+MAX_WINDOW_BLOCKS = math.ceil(WINDOW / BS) + 1
+NUM_BLOCKS = 200
+
+
+def hybrid_scheduler(role: str, engine_id: str, window: int | None = WINDOW):
+    return make_scheduler(make_vllm_config(role, engine_id=engine_id, block_size=BS), num_blocks=NUM_BLOCKS,
+                          sliding_window=window)
+
+
+def group_block_ids(sched, request_id: str) -> tuple[list[int], ...]:
+    return tuple(list(g) for g in sched.kv_cache_manager.get_block_ids(request_id))
+
+
+def prefill(p_sched, request_id: str, prompt: list[int]) -> tuple[dict, tuple[list[int], ...]]:
+    p_sched.add_request(make_request(request_id, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    st = step(p_sched)
+    out = st.output(request_id)
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params, group_block_ids(p_sched, request_id)
+
+
+def test_connector_keeps_vllms_hybrid_allocator_on() -> None:
+    sched = hybrid_scheduler("kv_consumer", "d")
+    assert isinstance(sched.connector, SupportsHMA)
+    assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert len(sched.kv_cache_manager.kv_cache_config.kv_cache_groups) == 2
+
+
+@pytest.mark.parametrize("num_tokens", [100, 33, 20], ids=["beyond-window", "just-under-window", "one-block-plus"])
+def test_p_offers_full_group_whole_and_sliding_group_window_only(num_tokens: int) -> None:
+    p_sched = hybrid_scheduler("kv_producer", "p")
+    params, (full, sliding) = prefill(p_sched, "p1", tokens(num_tokens))
+    n_blocks = math.ceil(num_tokens / BS)
+    offered_full, offered_sliding = params["remote_block_ids"]
+    assert offered_full == full[:n_blocks]
+    assert len(offered_sliding) == min(n_blocks, MAX_WINDOW_BLOCKS)
+    assert offered_sliding == sliding[:n_blocks][-len(offered_sliding):]  # the tail: the window
+    assert 0 not in offered_sliding  # never vLLM's null block
+    if num_tokens > WINDOW + BS:
+        assert sliding[0] == 0  # vLLM already dropped P's blocks before the window: they are not offered
+    step(p_sched, finished_sending={"p1"})
+    assert_scheduler_empty(p_sched)
+
+
+def test_d_pulls_every_full_block_and_only_the_window_of_sliding_layers() -> None:
+    p_sched, d_sched = hybrid_scheduler("kv_producer", "p"), hybrid_scheduler("kv_consumer", "d")
+    prompt = tokens(100)
+    params, _ = prefill(p_sched, "p1", prompt)
+    d_sched.add_request(make_request("d1", prompt, max_tokens=3, kv_transfer_params=params))
+    st = step(d_sched)
+    request = d_sched.requests["d1"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (plan,) = st.meta.pulls
+    assert plan.awaiting and plan.error == ""
+    d_full, d_sliding = group_block_ids(d_sched, "d1")
+    (local_full, local_sliding), (remote_full, remote_sliding) = plan.local_block_ids, plan.remote_block_ids
+    assert local_full == tuple(d_full) and remote_full == tuple(params["remote_block_ids"][0])
+    assert 0 < len(local_sliding) <= MAX_WINDOW_BLOCKS
+    assert local_sliding == tuple(b for b in d_sliding if b != 0)[-len(local_sliding):]
+    assert remote_sliding == tuple(params["remote_block_ids"][1][-len(local_sliding):])
+    assert plan.num_blocks == len(local_full) + len(local_sliding) < 2 * len(local_full)
+
+    step(d_sched, finished_recving={"d1"})
+    for _ in range(8):
+        if "d1" not in d_sched.requests:
+            break
+        step(d_sched)
+    assert_scheduler_empty(d_sched)
+    step(p_sched, finished_sending={"p1"})
+    assert_scheduler_empty(p_sched)
+
+
+def test_d_local_prefix_hit_pulls_only_the_rest_of_each_group() -> None:
+    p_sched, d_sched = hybrid_scheduler("kv_producer", "p"), hybrid_scheduler("kv_consumer", "d")
+    prompt = tokens(100)
+    # D already served the first 64 tokens (4 full blocks) itself.
+    d_sched.add_request(make_request("warm", prompt[:64] + tokens(8, seed=7), max_tokens=1))
+    for _ in range(4):
+        step(d_sched)
+    assert "warm" not in d_sched.requests
+    params, _ = prefill(p_sched, "p1", prompt)
+    d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
+    st = step(d_sched)
+    (plan,) = st.meta.pulls
+    assert plan.error == "", plan.error
+    local_full, local_sliding = plan.local_block_ids
+    assert len(local_full) == math.ceil(100 / BS) - 4  # blocks 4..6
+    assert plan.remote_block_ids[0] == tuple(params["remote_block_ids"][0][4:])
+    assert len(local_sliding) <= MAX_WINDOW_BLOCKS
+    step(d_sched, finished_recving={"d1"})
+    for _ in range(8):
+        if "d1" not in d_sched.requests:
+            break
+        step(d_sched)
+    assert_scheduler_empty(d_sched)
+    step(p_sched, finished_sending={"p1"})
+
+
+def test_params_from_a_p_without_the_sliding_group_fail_the_plan_with_a_reason() -> None:
+    p_sched = make_scheduler(make_vllm_config("kv_producer", engine_id="p", block_size=BS), num_blocks=NUM_BLOCKS)
+    d_sched = hybrid_scheduler("kv_consumer", "d")
+    prompt = tokens(60)
+    params, _ = prefill(p_sched, "p1", prompt)
+    d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
+    (plan,) = step(d_sched).meta.pulls
+    assert plan.awaiting and "KV-cache groups differ: P sent 1, D has 2" in plan.error

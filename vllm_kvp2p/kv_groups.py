@@ -1,0 +1,119 @@
+"""KV-cache groups: what vLLM's hybrid allocator (HMA) hands a connector, and which blocks of each a decoder needs.
+
+With HMA, vLLM keeps one block table per *KV-cache group* (layers of one attention type share a table) and gives
+the connector one list of block ids per group. For a prompt of ``n`` tokens a decoder needs, per group:
+
+* full attention: every block of the prompt;
+* sliding window of ``w`` tokens: only the blocks inside the window, at most ``cdiv(w, block_size) + 1`` (the
+  ``+ 1``: the window rarely starts on a block boundary). vLLM frees the older ones on P and never gives D any.
+
+Both sides cut the lists the same way (:func:`needed_tail`), and every list is *tail-aligned*: it ends with the
+block holding the prompt's last token, so list index ``i`` of a group with ``k`` of the prompt's ``m`` blocks is
+block ``m - k + i`` of the prompt on P and on D alike.
+
+Linear attention / Mamba state groups are not moved yet: :func:`groups_from_vllm` refuses them (and any other
+spec) with a message naming the group, at engine start-up, instead of a wrong answer later.
+
+Pure except :func:`groups_from_vllm`, the adapter from vLLM's ``KVCacheConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+FULL = "full"
+SLIDING = "sliding"
+
+
+class UnsupportedKVCacheError(ValueError):
+    """The model's KV cache has a group this connector cannot move (the message names it)."""
+
+
+class KVGroup(msgspec.Struct, frozen=True):
+    """One KV-cache group as the connector sees it (also part of each rank's registration)."""
+
+    kind: str  # FULL or SLIDING
+    block_size: int  # tokens per block of this group
+    sliding_window: int = 0  # tokens (SLIDING only)
+
+    @property
+    def max_blocks(self) -> int | None:
+        """Most blocks of a prompt a decoder needs from this group (None: all of them)."""
+        if self.kind == SLIDING:
+            return -(-self.sliding_window // self.block_size) + 1
+        return None
+
+    def describe(self) -> str:
+        return f"sliding window {self.sliding_window}" if self.kind == SLIDING else "full attention"
+
+
+#: The one group of a model without HMA (every model before hybrid support, and D's view of old params).
+def single_full_group(block_size: int) -> tuple[KVGroup, ...]:
+    return (KVGroup(FULL, block_size),)
+
+
+def prompt_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size) if num_tokens > 0 else 0
+
+
+def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> list[int]:
+    """The blocks of one group's list (in token order, starting at the prompt's first block) that hold what a
+    decoder needs of a ``num_tokens`` prompt: the list is cut to the prompt's blocks, then to the window."""
+    ids = list(block_ids[: prompt_blocks(num_tokens, group.block_size)])
+    limit = group.max_blocks
+    return ids[-limit:] if limit is not None and len(ids) > limit else ids
+
+
+def groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequence[int]) -> tuple[KVGroup, ...]:
+    """The transfer groups of vLLM's KV-cache config as :class:`KVGroup` s; raises
+    :class:`UnsupportedKVCacheError` for a group of any other attention type (Mamba / linear attention state,
+    chunked local attention, ...)."""
+    groups = kv_cache_config.kv_cache_groups
+    out = []
+    for gid in transfer_group_ids:
+        spec = groups[gid].kv_cache_spec
+        kind = _kind_of(spec)
+        if kind is None:
+            layers = list(groups[gid].layer_names)
+            shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+            raise UnsupportedKVCacheError(
+                f"MooncakeP2PConnector cannot move the KV cache of this model: KV-cache group {gid} "
+                f"({type(spec).__name__}, layers {shown}) holds state this connector does not transfer yet; it "
+                "moves full-attention, MLA and sliding-window KV (docs/models.md). Serve this model without "
+                "--kv-transfer-config, or with a connector that supports it."
+            )
+        window = int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING else 0
+        out.append(KVGroup(kind, int(spec.block_size), window))
+    return tuple(out)
+
+
+def layer_groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequence[int]) -> dict[str, int]:
+    """Layer name -> index into the transfer groups (layers of groups that are not transferred are absent)."""
+    groups = kv_cache_config.kv_cache_groups
+    return {name: i for i, gid in enumerate(transfer_group_ids) for name in groups[gid].layer_names}
+
+
+def _kind_of(spec: Any) -> str | None:
+    from vllm.v1 import kv_cache_interface as kvi
+
+    uniform = getattr(kvi, "UniformTypeKVCacheSpecs", None)
+    if uniform is not None and isinstance(spec, uniform):
+        kinds = {_kind_of(s) for s in spec.kv_cache_specs.values()}
+        return kinds.pop() if len(kinds) == 1 else None
+    if isinstance(spec, kvi.SlidingWindowSpec):
+        return SLIDING
+    if type(spec) in (kvi.FullAttentionSpec, kvi.MLAAttentionSpec) or _is_plain_full(spec, kvi):
+        return FULL
+    return None
+
+
+def _is_plain_full(spec: Any, kvi: Any) -> bool:
+    """Subclasses of FullAttentionSpec that still keep every token's KV in the block table (sinks, quantised)."""
+    names = ("SinkFullAttentionSpec", "TQFullAttentionSpec")
+    return any(isinstance(spec, getattr(kvi, n)) for n in names if hasattr(kvi, n))

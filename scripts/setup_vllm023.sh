@@ -69,13 +69,19 @@ mkdir -p "$SRC"
 find "$SRC" -mindepth 1 -maxdepth 1 ! -name build ! -name '*.egg-info' ! -name .kvp2p-built ! -name vllm_kvp2p -exec rm -rf {} +
 [ -d "$SRC/vllm_kvp2p" ] && find "$SRC/vllm_kvp2p" -type f ! -name '*.so' -delete
 git ls-files -co --exclude-standard | grep -v -E '^(build|\.venv)/' | tar -cf - -T - | tar -xf - -C "$SRC"
-if [ -f "$SRC/.kvp2p-built" ] && [ "$(cat "$SRC/.kvp2p-built")" = "$want" ] \
-   && (cd "$SRC" && "$VENV/bin/python" -c "import vllm_kvp2p._C, vllm_kvp2p._arena") 2>/dev/null; then
+# The venv is per machine but the tree copy per checkout: the editable install must point at this checkout's copy
+# (checked from outside it, as the console scripts run), or another checkout's install is reused by mistake.
+installed_here() {
+  (cd / && "$VENV/bin/python" -c "import os, sys, vllm_kvp2p, vllm_kvp2p._C, vllm_kvp2p._arena
+sys.exit(not os.path.realpath(vllm_kvp2p.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep))" "$SRC") \
+    2>/dev/null
+}
+if [ -f "$SRC/.kvp2p-built" ] && [ "$(cat "$SRC/.kvp2p-built")" = "$want" ] && installed_here; then
   log "vllm_kvp2p build up to date in $SRC"
 else
   log "building vllm_kvp2p against torch $TORCH_VERSION in $SRC"
   (cd "$SRC" && "$VENV/bin/python" -m pip --disable-pip-version-check -q install -e . --no-deps --no-build-isolation)
-  (cd "$SRC" && "$VENV/bin/python" -c "import vllm_kvp2p._C, vllm_kvp2p._arena")
+  installed_here || { log "vllm_kvp2p does not import from $SRC after installing it"; exit 1; }
   echo "$want" > "$SRC/.kvp2p-built"
 fi
 echo "$VENV/bin/python"

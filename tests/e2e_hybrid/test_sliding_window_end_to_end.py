@@ -1,0 +1,84 @@
+"""Mixed sliding-window and full-attention layers through real P and D engines with vLLM's hybrid allocator on.
+
+Each full-attention layer moves every block of the prompt; each sliding-window layer only the blocks inside its
+window (at most ``cdiv(window, block_size) + 1``), so the bytes per pull are known exactly. D's answers equal the
+single instance's, a corrupted transfer changes them, and both engines are idle afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.e2e.helpers import (
+    BLOCK_SIZE,
+    LOGPROB_TOL,
+    HEAD_SIZE,
+    KV_HEADS,
+    baseline,
+    completion_body,
+    max_logprob_gap,
+    post,
+    prompt_ids,
+    wait_kv_idle,
+)
+from tests.e2e_hybrid.conftest import LAYER_TYPES, WINDOW
+from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.testing.cluster import PDCluster
+
+LAYER_BLOCK_BYTES = KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4  # K and V of one layer's block, float32
+MAX_WINDOW_BLOCKS = math.ceil(WINDOW / BLOCK_SIZE) + 1
+NUM_FULL = LAYER_TYPES.count("full_attention")
+NUM_SLIDING = LAYER_TYPES.count("sliding_attention")
+
+
+def expected_bytes(num_tokens: int) -> tuple[int, int]:
+    """(bytes this connector moves with the window, bytes for the same model with the window removed)."""
+    blocks = math.ceil(num_tokens / BLOCK_SIZE)
+    windowed = (NUM_FULL * blocks + NUM_SLIDING * min(blocks, MAX_WINDOW_BLOCKS)) * LAYER_BLOCK_BYTES
+    return windowed, len(LAYER_TYPES) * blocks * LAYER_BLOCK_BYTES
+
+
+def pd(cluster: PDCluster, prompt: list[int], **extra: object) -> dict:
+    p = post(cluster.prefill.url + "/v1/completions",
+             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = {**p["kv_transfer_params"], **extra}
+    return post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+
+
+def test_both_engines_run_the_hybrid_allocator_with_two_groups(hybrid_cluster: PDCluster) -> None:
+    for server in (hybrid_cluster.prefill, hybrid_cluster.decode):
+        log = server.log_path.read_text()
+        assert "Turning off hybrid kv cache manager" not in log, server.log_path
+        assert "in 2 KV-cache group(s) (full attention, sliding window 64)" in log or \
+            "in 2 KV-cache group(s) (sliding window 64, full attention)" in log, server.log_path
+
+
+@pytest.mark.parametrize("num_tokens", [40, 150, 420], ids=["inside-window", "beyond-window", "far-beyond"])
+def test_pd_answer_equals_single_instance_and_moves_only_the_window(hybrid_cluster: PDCluster,
+                                                                    num_tokens: int) -> None:
+    prompt = prompt_ids(num_tokens, seed=9000 + num_tokens)
+    out = pd(hybrid_cluster, prompt)
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    windowed, unwindowed = expected_bytes(num_tokens)
+    assert pull["ok"], pull
+    assert pull["bytes"] == windowed, (pull, windowed, unwindowed)
+    if num_tokens > WINDOW + BLOCK_SIZE:
+        assert pull["bytes"] < unwindowed
+    assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
+
+
+def test_a_corrupted_transfer_changes_the_answer(hybrid_cluster: PDCluster) -> None:
+    prompt = prompt_ids(150, seed=4343)
+    corrupted = pd(hybrid_cluster, prompt, kvp2p_test_corrupt=True)
+    assert corrupted["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
+    assert max_logprob_gap(corrupted, baseline(hybrid_cluster, prompt)) > 100 * LOGPROB_TOL
+
+
+def test_through_the_proxy_and_engines_idle_afterwards(hybrid_cluster: PDCluster) -> None:
+    prompt = prompt_ids(200, seed=77)
+    via_proxy = post(hybrid_cluster.proxy_url + "/v1/completions", completion_body(prompt))
+    assert max_logprob_gap(via_proxy, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
+    assert wait_kv_idle(hybrid_cluster.prefill) == 0.0
+    assert wait_kv_idle(hybrid_cluster.decode) == 0.0

@@ -4,7 +4,6 @@ attention, as gpt-oss's do: vLLM's hybrid allocator gives it two KV-cache groups
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

@@ -13,9 +13,9 @@ import pytest
 
 from tests.e2e.helpers import (
     BLOCK_SIZE,
-    LOGPROB_TOL,
     HEAD_SIZE,
     KV_HEADS,
+    LOGPROB_TOL,
     baseline,
     completion_body,
     max_logprob_gap,

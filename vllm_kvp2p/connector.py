@@ -76,6 +76,10 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ scheduler side
 
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)

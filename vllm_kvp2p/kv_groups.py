@@ -5,14 +5,18 @@ the connector one list of block ids per group. For a prompt of ``n`` tokens a de
 
 * full attention: every block of the prompt;
 * sliding window of ``w`` tokens: only the blocks inside the window, at most ``cdiv(w, block_size) + 1`` (the
-  ``+ 1``: the window rarely starts on a block boundary). vLLM frees the older ones on P and never gives D any.
+  ``+ 1``: the window rarely starts on a block boundary). vLLM frees the older ones on P and never gives D any;
+* linear attention / Mamba (vLLM's ``MambaSpec``, e.g. Qwen3-Next's Gated DeltaNet): the one block holding the
+  running state (conv and SSM state together in one page). A state cannot be rewound, and D always computes the
+  prompt's last token itself, so for such models P prefills all but the last prompt token (the decoder then
+  applies it to the state it pulled: vLLM's own connectors do the same) and reports that many tokens.
 
 Both sides cut the lists the same way (:func:`needed_tail`), and every list is *tail-aligned*: it ends with the
 block holding the prompt's last token, so list index ``i`` of a group with ``k`` of the prompt's ``m`` blocks is
 block ``m - k + i`` of the prompt on P and on D alike.
 
-Linear attention / Mamba state groups are not moved yet: :func:`groups_from_vllm` refuses them (and any other
-spec) with a message naming the group, at engine start-up, instead of a wrong answer later.
+Any other group (chunked local attention, speculative-decoding state slots, ...) is refused by
+:func:`groups_from_vllm` with a message naming the group, at engine start-up, instead of a wrong answer later.
 
 Pure except :func:`groups_from_vllm`, the adapter from vLLM's ``KVCacheConfig``.
 """
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 
 FULL = "full"
 SLIDING = "sliding"
+STATE = "state"  # Mamba / linear-attention state (one block per request)
+NULL_BLOCK_ID = 0  # vLLM's placeholder block: no data (freed sliding-window blocks, align-mode state slots)
 
 
 class UnsupportedKVCacheError(ValueError):
@@ -38,7 +44,7 @@ class UnsupportedKVCacheError(ValueError):
 class KVGroup(msgspec.Struct, frozen=True):
     """One KV-cache group as the connector sees it (also part of each rank's registration)."""
 
-    kind: str  # FULL or SLIDING
+    kind: str  # FULL, SLIDING or STATE
     block_size: int  # tokens per block of this group
     sliding_window: int = 0  # tokens (SLIDING only)
 
@@ -47,15 +53,31 @@ class KVGroup(msgspec.Struct, frozen=True):
         """Most blocks of a prompt a decoder needs from this group (None: all of them)."""
         if self.kind == SLIDING:
             return -(-self.sliding_window // self.block_size) + 1
+        if self.kind == STATE:
+            return 1
         return None
 
     def describe(self) -> str:
-        return f"sliding window {self.sliding_window}" if self.kind == SLIDING else "full attention"
+        if self.kind == SLIDING:
+            return f"sliding window {self.sliding_window}"
+        return "linear-attention state" if self.kind == STATE else "full attention"
+
+
+def has_state(groups: Sequence[KVGroup]) -> bool:
+    """A model with a recurrent state: P prefills one token less (see the module docstring)."""
+    return any(g.kind == STATE for g in groups)
 
 
 #: The one group of a model without HMA (every model before hybrid support, and D's view of old params).
 def single_full_group(block_size: int) -> tuple[KVGroup, ...]:
     return (KVGroup(FULL, block_size),)
+
+
+def common_block_size(groups: Sequence[KVGroup], default: int) -> int:
+    """The block size of every group (vLLM raises the attention block size of a hybrid model to fit its state
+    pages, e.g. 288 tokens, without telling the cache config on every process); ``default`` if they differ."""
+    sizes = {g.block_size for g in groups}
+    return sizes.pop() if len(sizes) == 1 else default
 
 
 def prompt_blocks(num_tokens: int, block_size: int) -> int:
@@ -66,6 +88,8 @@ def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> li
     """The blocks of one group's list (in token order, starting at the prompt's first block) that hold what a
     decoder needs of a ``num_tokens`` prompt: the list is cut to the prompt's blocks, then to the window."""
     ids = list(block_ids[: prompt_blocks(num_tokens, group.block_size)])
+    if group.kind == STATE:  # the running state is the last real block; the others are placeholders
+        ids = [b for b in ids if b != NULL_BLOCK_ID]
     limit = group.max_blocks
     return ids[-limit:] if limit is not None and len(ids) > limit else ids
 
@@ -84,9 +108,16 @@ def groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequenc
             shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
             raise UnsupportedKVCacheError(
                 f"MooncakeP2PConnector cannot move the KV cache of this model: KV-cache group {gid} "
-                f"({type(spec).__name__}, layers {shown}) holds state this connector does not transfer yet; it "
-                "moves full-attention, MLA and sliding-window KV (docs/models.md). Serve this model without "
-                "--kv-transfer-config, or with a connector that supports it."
+                f"({type(spec).__name__}, layers {shown}) holds a kind of cache this connector does not transfer; "
+                "it moves full-attention, MLA and sliding-window KV and Mamba / linear-attention state "
+                "(docs/models.md). Serve this model without --kv-transfer-config, or with a connector that "
+                "supports it."
+            )
+        if kind == STATE and getattr(spec, "num_speculative_blocks", 0):
+            raise UnsupportedKVCacheError(
+                f"MooncakeP2PConnector does not move the linear-attention state of KV-cache group {gid} with "
+                f"speculative decoding ({spec.num_speculative_blocks} speculative state blocks); serve this model "
+                "without speculative decoding on P and D (docs/models.md)."
             )
         window = int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING else 0
         out.append(KVGroup(kind, int(spec.block_size), window))
@@ -108,6 +139,8 @@ def _kind_of(spec: Any) -> str | None:
         return kinds.pop() if len(kinds) == 1 else None
     if isinstance(spec, kvi.SlidingWindowSpec):
         return SLIDING
+    if type(spec) is kvi.MambaSpec:
+        return STATE
     if type(spec) in (kvi.FullAttentionSpec, kvi.MLAAttentionSpec) or _is_plain_full(spec, kvi):
         return FULL
     return None

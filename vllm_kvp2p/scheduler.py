@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.kv_groups import FULL, groups_from_vllm, needed_tail
+from vllm_kvp2p.kv_groups import FULL, common_block_size, groups_from_vllm, has_state, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import RemotePrefill
@@ -95,7 +95,6 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.config = config
         self.engine_id = engine_id
-        self.block_size = vllm_config.cache_config.block_size
         self.tp_size = parallel.tensor_parallel_size
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
@@ -104,9 +103,18 @@ class SchedulerSide:
         self.group_ids = transfer_group_ids(kv_cache_config)
         self.groups = groups_from_vllm(kv_cache_config, self.group_ids)
         self._full_group = next((i for i, g in enumerate(self.groups) if g.kind == FULL), None)
+        self.block_size = common_block_size(self.groups, vllm_config.cache_config.block_size)
         self.consumer = ConsumerSchedule(self.block_size, self.groups)
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}
+
+    # ------------------------------------------------------------------ P: admission
+
+    def on_new_request(self, request: Request) -> None:
+        """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/kv_groups.py)."""
+        params = request.kv_transfer_params
+        if self.is_producer and params and params.get("do_remote_decode") and has_state(self.groups):
+            _drop_last_prompt_token(request)
 
     # ------------------------------------------------------------------ D: admission
 
@@ -198,6 +206,29 @@ class SchedulerSide:
         if isinstance(meta, KVP2PWorkerMetadata):
             # Keep reports only for requests still alive; an aborted one's pull may end after it finished.
             self._reports.update((k, v) for k, v in meta.reports.items() if self.consumer.is_planned(k))
+
+
+# Marks a request whose prompt was already shortened (vLLM may offer it again after a preemption).
+_HELD_BACK_KEY = "kvp2p_last_token_held_back"
+
+
+def _drop_last_prompt_token(request: Request) -> None:
+    """Shorten the prompt P prefills by its last token. The request's only output (P serves one token for the
+    decoder's params) is then not the real first token, which D computes. Not for one-token prompts, nor for
+    requests that skip the prefix cache (prompt logprobs): D recomputes those whole."""
+    params = request.kv_transfer_params
+    if params.get(_HELD_BACK_KEY) or request.num_prompt_tokens <= 1 or request.get_skip_reading_prefix_cache():
+        return
+    if request.prompt_token_ids is not None:
+        request.prompt_token_ids.pop()
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    else:
+        return
+    request._all_token_ids.pop()
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[_HELD_BACK_KEY] = True
 
 
 def _report_dict(report: PullReport) -> dict[str, Any]:

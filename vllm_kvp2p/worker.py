@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.kv_groups import groups_from_vllm, layer_groups_from_vllm
+from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, layer_groups_from_vllm
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
@@ -24,7 +24,8 @@ from vllm_kvp2p.protocol import RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.transfer.engine import MooncakeEngine
-from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry
+from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry, planes_of
+from vllm_kvp2p.transfer.slicing import BlockShape
 
 if TYPE_CHECKING:
     import torch
@@ -132,12 +133,19 @@ class WorkerSide:
         num_blocks = self.kv_cache_config.num_blocks
         use_mla = bool(model.use_mla)
         local_heads = 1 if use_mla else model.get_num_kv_heads(self.vllm_config.parallel_config)
+        self.block_size = common_block_size(groups, self.block_size)
         planes, shapes, plane_groups = [], [], []
-        for layer in layers:
-            layer_planes, layer_shapes = kv_geometry([layer], num_blocks, self.block_size, local_heads)
+        for name, views in layers:
+            group = groups[group_of_layer[name]]
+            if group.kind == STATE:
+                # A state page (vLLM hands it over raw, as bytes): moved whole, never sliced by head or token.
+                layer_planes = [p for i, v in enumerate(views) for p in planes_of(v, num_blocks, f"{name}[{i}]")]
+                layer_shapes = [BlockShape(False, 1, 1, p.block_bytes) for p in layer_planes]
+            else:
+                layer_planes, layer_shapes = kv_geometry([(name, views)], num_blocks, group.block_size, local_heads)
             planes += layer_planes
             shapes += layer_shapes
-            plane_groups += [group_of_layer[layer[0]]] * len(layer_planes)
+            plane_groups += [group_of_layer[name]] * len(layer_planes)
         regions, how = self._regions([v for _, vs in layers for v in vs])
         first = _tensors_of(next(iter(kv_caches.values())))[0]
         self.local = LocalKV(
@@ -150,6 +158,7 @@ class WorkerSide:
             use_mla=use_mla,
             groups=groups,
             plane_groups=tuple(plane_groups),
+            tp_size=self.tp_size,
         )
         with self.platform.service_threads():
             self._start_services(regions, how, first, num_blocks, local_heads, model.get_head_size())

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvp2p.kv_groups import KVGroup, single_full_group
+from vllm_kvp2p.kv_groups import FULL, KVGroup, has_state, single_full_group
 from vllm_kvp2p.protocol import RemotePrefill
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
@@ -57,6 +57,9 @@ class ConsumerSchedule:
     def __init__(self, block_size: int, groups: tuple[KVGroup, ...] | None = None) -> None:
         self.block_size = block_size
         self.groups = groups or single_full_group(block_size)
+        # A recurrent state cannot be rewound: D loads all but the last prompt token and computes that one itself
+        # (P prefills as many, see vllm_kvp2p/kv_groups.py).
+        self._holdback = 1 if has_state(self.groups) else 0
         self._planned: set[str] = set()
         self._pending: list[PullPlan] = []
 
@@ -69,7 +72,7 @@ class ConsumerSchedule:
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return 0, False
-        count = min(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
+        count = min(remote.remote_num_tokens, num_prompt_tokens - self._holdback) - num_local_computed
         if count <= 0:
             return 0, False
         if num_local_computed > 0 and count < self.block_size:
@@ -99,7 +102,7 @@ class ConsumerSchedule:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
             local = tuple(tuple(g) for g in unhashed_block_ids)
-            if len(self.groups) == 1:
+            if len(self.groups) == 1 and self.groups[0].kind == FULL:
                 plan = self._pull_plan(request_id, remote, local, num_local_computed)
             else:
                 plan = self._hybrid_pull_plan(request_id, remote, local, num_local_computed + num_external_tokens)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
-from vllm_kvp2p.kv_groups import KVGroup, single_full_group
+from vllm_kvp2p.kv_groups import STATE, KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
@@ -39,6 +39,7 @@ class LocalKV:
     use_mla: bool = False
     groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
     plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
+    tp_size: int = 1
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return self.groups or single_full_group(self.block_size)
@@ -305,16 +306,22 @@ class ConsumerPull:
         """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
         plan, local = self.plan, self.local
         local_of, remote_of = local.group_of_planes(), reg.group_of_planes()
+        groups = local.kv_groups()
         out = Descriptors([], [], [])
         for g, (local_ids, remote_ids) in enumerate(zip(plan.local_block_ids, plan.remote_block_ids)):
             if not local_ids:
                 continue
             mine = [i for i, pg in enumerate(local_of) if pg == g]
             theirs = [i for i, pg in enumerate(remote_of) if pg == g]
-            d = self._group_descriptors(
-                source, reg, [local.planes[i] for i in mine], tuple(local.shapes[i] for i in mine),
-                [reg.planes[i] for i in theirs], tuple(reg.block_shapes[i] for i in theirs), local_ids, remote_ids,
-            )
+            if groups[g].kind == STATE:  # whole state pages, rank to rank (same TP on both sides, checked)
+                d = build_descriptors([local.planes[i] for i in mine], [reg.planes[i] for i in theirs],
+                                      local_ids, remote_ids)
+            else:
+                d = self._group_descriptors(
+                    source, reg, [local.planes[i] for i in mine], tuple(local.shapes[i] for i in mine),
+                    [reg.planes[i] for i in theirs], tuple(reg.block_shapes[i] for i in theirs), local_ids,
+                    remote_ids,
+                )
             out.local_addrs.extend(d.local_addrs)
             out.remote_addrs.extend(d.remote_addrs)
             out.lengths.extend(d.lengths)
@@ -365,6 +372,9 @@ class ConsumerPull:
         for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
             if p_sh.inner_bytes != d_sh.inner_bytes:
                 return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
+        if any(g.kind == STATE for g in local.kv_groups()) and reg.tp_size != local.tp_size:
+            return (f"tensor parallel size: P {reg.tp_size}, D {local.tp_size}; models with a linear-attention "
+                    "state need the same on both")
         if reg.block_size % local.block_size and local.block_size % reg.block_size:
             return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
         return ""

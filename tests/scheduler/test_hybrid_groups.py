@@ -130,3 +130,18 @@ def test_params_from_a_p_without_the_sliding_group_fail_the_plan_with_a_reason()
     d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
     (plan,) = step(d_sched).meta.pulls
     assert plan.awaiting and "KV-cache groups differ: P sent 1, D has 2" in plan.error
+
+
+def test_p_holds_back_the_last_prompt_token_of_a_model_with_state_once() -> None:
+    """What P does for a model with a linear-attention state (the real engine test is tests/e2e_state): the
+    request vLLM created is shortened by one token, once, and only for the decoder's prefill."""
+    from vllm_kvp2p.scheduler import _drop_last_prompt_token
+
+    request = make_request("p1", tokens(50), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    _drop_last_prompt_token(request)
+    _drop_last_prompt_token(request)  # offered again (e.g. after a preemption): not shortened twice
+    assert request.num_prompt_tokens == 49 and request.prompt_token_ids == tokens(50)[:49]
+    assert list(request.all_token_ids) == tokens(50)[:49] and request.max_tokens == 1
+    one = make_request("p2", tokens(1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    _drop_last_prompt_token(one)
+    assert one.num_prompt_tokens == 1

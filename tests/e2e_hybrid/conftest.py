@@ -1,9 +1,11 @@
-"""One real P/D pair (with the proxy) serving a tiny Llama whose layers alternate sliding-window and full
-attention, as gpt-oss's do: vLLM's hybrid allocator gives it two KV-cache groups. Started once for this package."""
+"""Real P/D pairs (with the proxy) serving a tiny Llama whose layers alternate sliding-window and full attention,
+as gpt-oss's do: vLLM's hybrid allocator gives it two KV-cache groups. One pair per test module (module scope),
+so only one pair runs at a time: with the hybrid allocator, and with it turned off on both engines."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +17,21 @@ LAYER_TYPES = ("sliding_attention", "full_attention", "sliding_attention", "full
 
 
 @pytest.fixture(scope="package")
-def hybrid_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-sliding", num_layers=len(LAYER_TYPES),
-                            sliding_window=WINDOW, layer_types=LAYER_TYPES)
-    with PDCluster(
-        model, tmp_path_factory.mktemp("hybrid-logs"),
-        decode_extra_config={"test_hooks": True},
-    ) as cluster:
+def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-sliding", num_layers=len(LAYER_TYPES),
+                           sliding_window=WINDOW, layer_types=LAYER_TYPES)
+
+
+@pytest.fixture(scope="module")
+def hybrid_cluster(sliding_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    with PDCluster(sliding_model, tmp_path_factory.mktemp("hybrid-logs"),
+                   decode_extra_config={"test_hooks": True}) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def no_hma_cluster(sliding_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    """The same model with vLLM's hybrid allocator turned off on both engines (one KV-cache group)."""
+    with PDCluster(sliding_model, tmp_path_factory.mktemp("no-hma-logs"),
+                   engine_args=("--disable-hybrid-kv-cache-manager",)) as cluster:
         yield cluster

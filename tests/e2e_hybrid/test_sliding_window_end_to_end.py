@@ -82,3 +82,17 @@ def test_through_the_proxy_and_engines_idle_afterwards(hybrid_cluster: PDCluster
     assert max_logprob_gap(via_proxy, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
     assert wait_kv_idle(hybrid_cluster.prefill) == 0.0
     assert wait_kv_idle(hybrid_cluster.decode) == 0.0
+
+
+def test_d_prefix_cache_hit_pulls_only_the_rest(hybrid_cluster: PDCluster) -> None:
+    """D already computed the first 256 tokens (8 blocks) of the prompt for another request: it pulls the other
+    6 full-attention blocks per full layer and the window's blocks per sliding layer, and answers the same."""
+    prompt = prompt_ids(420, seed=5151)
+    post(hybrid_cluster.decode.url + "/v1/completions",
+         {"model": "tiny", "prompt": prompt[:256] + prompt_ids(20, seed=1), "max_tokens": 1})
+    out = pd(hybrid_cluster, prompt)
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert pull["ok"], pull
+    full_blocks = math.ceil(420 / BLOCK_SIZE) - 256 // BLOCK_SIZE
+    assert pull["bytes"] == (NUM_FULL * full_blocks + NUM_SLIDING * MAX_WINDOW_BLOCKS) * LAYER_BLOCK_BYTES, pull
+    assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL

@@ -88,6 +88,23 @@ def test_a_corrupted_transfer_changes_the_answer(state_pair: StatePair) -> None:
     assert d_tokens != s_tokens or max(abs(a - b) for a, b in zip(d_lp, s_lp)) > 10 * LOGPROB_TOL
 
 
+def test_d_prefix_cache_hit_pulls_only_the_rest(state_pair: StatePair) -> None:
+    """D already computed the first 600 tokens of the prompt for another request (its cache keeps the state at
+    block boundaries): it pulls the attention blocks past its hit and the state pages, and answers the same."""
+    prompt = prompt_of(1000)
+    post(state_pair.decode, {"prompt": prompt[:600] + prompt_of(30), "max_tokens": 1})
+    params = params_from_p(state_pair, prompt)
+    out = post(state_pair.decode, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "kv_transfer_params": params})
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    hit_blocks = 600 // BLOCK
+    assert pull["ok"], pull
+    assert pull["bytes"] == NUM_STATE * STATE_PAGE + NUM_FULL * (math.ceil(999 / BLOCK) - hit_blocks) * ATTN_BLOCK, pull
+    single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
+    (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
+    assert d_tokens == s_tokens
+    assert max(abs(a - b) for a, b in zip(d_lp, s_lp)) <= LOGPROB_TOL, (d_lp, s_lp)
+
+
 def test_engines_are_idle_afterwards(state_pair: StatePair) -> None:
     for server in (state_pair.prefill, state_pair.decode):
         deadline = time.monotonic() + 30

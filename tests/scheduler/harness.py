@@ -126,14 +126,17 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(block_size: int, num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+def make_kv_cache_config(
+    block_size: int, num_blocks: int, sliding_window: int | None = None, *, full_attention: bool = True
+) -> KVCacheConfig:
     """One full-attention group; with ``sliding_window``, a second group of sliding-window layers (what vLLM's
-    hybrid allocator makes of a model with mixed layers, e.g. gpt-oss)."""
+    hybrid allocator makes of a model with mixed layers, e.g. gpt-oss); ``full_attention=False`` drops the first
+    (a model whose layers all slide, e.g. Mistral 7B v0.1)."""
     groups = [
         KVCacheGroupSpec(
             ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         )
-    ]
+    ] if full_attention else []
     if sliding_window is not None:
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -144,10 +147,11 @@ def make_kv_cache_config(block_size: int, num_blocks: int, sliding_window: int |
 
 
 def make_scheduler(
-    vllm_config: VllmConfig, *, num_blocks: int = 1000, sliding_window: int | None = None
+    vllm_config: VllmConfig, *, num_blocks: int = 1000, sliding_window: int | None = None,
+    full_attention: bool = True,
 ) -> Scheduler:
     block_size = vllm_config.cache_config.block_size
-    kv_cache_config = make_kv_cache_config(block_size, num_blocks, sliding_window)
+    kv_cache_config = make_kv_cache_config(block_size, num_blocks, sliding_window, full_attention=full_attention)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,

@@ -145,3 +145,35 @@ def test_p_holds_back_the_last_prompt_token_of_a_model_with_state_once() -> None
     one = make_request("p2", tokens(1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     _drop_last_prompt_token(one)
     assert one.num_prompt_tokens == 1
+
+
+@pytest.mark.parametrize("warm_tokens", [0, 64], ids=["cold", "d-prefix-hit"])
+def test_all_sliding_model_pulls_only_the_window(warm_tokens: int) -> None:
+    """One sliding-window group and no full-attention group (Mistral style): the window's blocks only, also
+    after a local prefix hit on D (whose length no full-attention group tells here)."""
+    def sched(role: str, engine: str):
+        return make_scheduler(make_vllm_config(role, engine_id=engine, block_size=BS), num_blocks=NUM_BLOCKS,
+                              sliding_window=WINDOW, full_attention=False)
+
+    p_sched, d_sched = sched("kv_producer", "p"), sched("kv_consumer", "d")
+    prompt = tokens(150)
+    if warm_tokens:
+        d_sched.add_request(make_request("warm", prompt[:warm_tokens] + tokens(8, seed=7), max_tokens=1))
+        for _ in range(4):
+            step(d_sched)
+    params, (sliding,) = prefill(p_sched, "p1", prompt)
+    (offered,) = params["remote_block_ids"]
+    assert len(offered) == MAX_WINDOW_BLOCKS and offered == [b for b in sliding if b][-MAX_WINDOW_BLOCKS:]
+    d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
+    st = step(d_sched)
+    (plan,) = st.meta.pulls
+    assert plan.error == "" and plan.awaiting, plan.error
+    ((local,),) = (plan.local_block_ids,)
+    assert 0 < len(local) <= MAX_WINDOW_BLOCKS
+    assert plan.remote_block_ids == (tuple(offered[-len(local):]),)
+    step(d_sched, finished_recving={"d1"})
+    for _ in range(8):
+        if "d1" not in d_sched.requests:
+            break
+        step(d_sched)
+    assert_scheduler_empty(d_sched)

@@ -92,6 +92,7 @@ class PDCluster:
     decode_env: Mapping[str, str] = field(default_factory=dict)
     decode_extra_config: Mapping[str, object] = field(default_factory=dict)
     decode_failure_policy: str = "fail"  # vLLM's kv_load_failure_policy on D: "fail" or "recompute"
+    engine_args: tuple[str, ...] = ()  # more `vllm serve` flags for both engines
     ready_timeout: float = 400.0
 
     def __post_init__(self) -> None:
@@ -100,13 +101,13 @@ class PDCluster:
         common = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
         self.prefill = VllmServer(
             self.model_path, free_port(), cpus="0", log_path=self.log_dir / "prefill.log",
-            extra_args=("--kv-transfer-config", kv_transfer_config("kv_producer")),
+            extra_args=(*self.engine_args, "--kv-transfer-config", kv_transfer_config("kv_producer")),
             env={**common, "VLLM_KVP2P_SIDE_CHANNEL_PORT": str(self.side_channel_port), **self.prefill_env},
             ready_timeout=self.ready_timeout,
         )
         self.decode = VllmServer(
             self.model_path, free_port(), cpus="1", log_path=self.log_dir / "decode.log",
-            extra_args=("--kv-transfer-config",
+            extra_args=(*self.engine_args, "--kv-transfer-config",
                         kv_transfer_config("kv_consumer", self.decode_failure_policy, **self.decode_extra_config)),
             env={**common, **self.decode_env},
             ready_timeout=self.ready_timeout,

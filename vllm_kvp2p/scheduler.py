@@ -147,9 +147,11 @@ class SchedulerSide:
         (request.num_computed_tokens cannot tell it: vLLM updates it only after update_state_after_alloc). With
         sliding-window groups only (their older blocks are null), what D loads ends where P's tokens end."""
         if self._full_group is None:
-            params = request.kv_transfer_params or {}
-            loaded = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
-            return max(0, loaded - num_external_tokens) if num_external_tokens > 0 else 0
+            remote = RemotePrefill.from_params(request.kv_transfer_params or {})
+            if remote is None or num_external_tokens <= 0:
+                return 0
+            return max(0, self.consumer.prompt_end(remote.remote_num_tokens, request.num_prompt_tokens)
+                       - num_external_tokens)
         group = blocks.blocks[self.group_ids[self._full_group]]
         return sum(1 for b in group if b.block_hash is not None and not b.is_null) * self.block_size
 

@@ -72,13 +72,17 @@ class ConsumerSchedule:
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return 0, False
-        count = min(remote.remote_num_tokens, num_prompt_tokens - self._holdback) - num_local_computed
+        count = self.prompt_end(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
         if count <= 0:
             return 0, False
         if num_local_computed > 0 and count < self.block_size:
             # D already caches all full blocks: computing the short tail is cheaper than a round trip to P.
             return 0, False
         return count, True
+
+    def prompt_end(self, remote_num_tokens: int, num_prompt_tokens: int) -> int:
+        """Where what D loads from P ends: P's tokens, short of the prompt's last token for a model with a state."""
+        return min(remote_num_tokens, num_prompt_tokens - self._holdback)
 
     def on_alloc(
         self,

@@ -14,6 +14,7 @@ Found while working on the MLA issue (vLLM 0.32.0, CPU_MLA backend with the CPU_
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -119,3 +120,12 @@ def test_d_pulls_the_whole_latent_cache_from_one_rank_of_p_at_tp2(
     assert pull1["ok"] and pull2["ok"], (pull1, pull2)
     assert (pull2["blocks"], pull2["bytes"]) == (pull1["blocks"], pull1["bytes"]), (pull1, pull2)
     assert answer == again
+
+
+def test_engines_are_idle_afterwards(mla_pair: MlaPair, mla_prefill_tp2: VllmServer) -> None:
+    """Every hold released and every pulled block freed: no engine keeps KV blocks once its requests are done."""
+    for server in (mla_pair.prefill, mla_prefill_tp2, mla_pair.decode):
+        deadline = time.monotonic() + 30
+        while server.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.metric("vllm:kv_cache_usage_perc") == 0.0, server.log_path

@@ -13,6 +13,8 @@ Three boundaries:
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from enum import Enum
 from typing import Any, Union
 
@@ -23,6 +25,14 @@ from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 PROTOCOL_VERSION = 2  # 2: block ids per KV-cache group
+
+# Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone).
+MAX_TP_SIZE = 1024
+MAX_KV_GROUPS = 64
+MAX_BLOCK_SIZE = 1 << 20  # tokens
+MAX_ID_LENGTH = 256
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
 
 # --------------------------------------------------------------------------- kv_transfer_params
@@ -53,12 +63,56 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
         except msgspec.ValidationError:
             return None
 
+    def address_problem(self) -> str:
+        """What makes P's side channel unaddressable ("" if nothing): then D contacts no one, not even to release.
+        Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``."""
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
+            return f"tp_size {self.tp_size} outside 1..{MAX_TP_SIZE}"
+        if not 1 <= self.remote_port <= 65535 - (self.tp_size - 1):
+            return f"remote_port {self.remote_port} with tp_size {self.tp_size}: ports outside 1..65535"
+        if not _valid_host(self.remote_host):
+            return f"remote_host {self.remote_host[:80]!r} is not an IP address or host name"
+        return ""
+
+    def problem(self, num_prompt_tokens: int) -> str:
+        """What makes these params unusable for a ``num_prompt_tokens`` prompt ("" if nothing): checked before D
+        plans anything, since any client can send them. Names the field."""
+        address = self.address_problem()
+        if address:
+            return address
+        for name in ("remote_engine_id", "remote_request_id", "remote_hold_id"):
+            value = getattr(self, name)
+            if not 0 < len(value) <= MAX_ID_LENGTH:
+                return f"{name} must have 1..{MAX_ID_LENGTH} characters, has {len(value)}"
+        if not 1 <= self.remote_block_size <= MAX_BLOCK_SIZE:
+            return f"remote_block_size {self.remote_block_size} outside 1..{MAX_BLOCK_SIZE}"
+        if not 1 <= self.remote_num_tokens <= num_prompt_tokens:
+            return f"remote_num_tokens {self.remote_num_tokens} outside 1..{num_prompt_tokens} (the prompt)"
+        if not 1 <= len(self.remote_block_ids) <= MAX_KV_GROUPS:
+            return f"remote_block_ids has {len(self.remote_block_ids)} groups, not 1..{MAX_KV_GROUPS}"
+        most = -(-self.remote_num_tokens // self.remote_block_size)
+        for i, ids in enumerate(self.remote_block_ids):
+            if len(ids) > most:
+                return (f"remote_block_ids[{i}] has {len(ids)} blocks; {self.remote_num_tokens} tokens fill at most "
+                        f"{most}")
+            if any(b < 0 for b in ids) or len(set(ids)) != len(ids):
+                return f"remote_block_ids[{i}] holds a negative or repeated block id"
+        return ""
+
     def to_params(self) -> dict[str, Any]:
         out = msgspec.to_builtins(self)
         # omit_defaults would drop these; every reader expects both flags explicitly.
         out["do_remote_prefill"] = self.do_remote_prefill
         out["do_remote_decode"] = self.do_remote_decode
         return out
+
+
+def _valid_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
 
 
 # --------------------------------------------------------------------------- registration

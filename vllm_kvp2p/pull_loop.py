@@ -154,7 +154,7 @@ class PullLoop:
         """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
         must be told (only when it is waiting for the receive)."""
         try:
-            sources = self.sources_for(plan.remote.tp_size)
+            sources = self.sources_for(plan.remote.tp_size) if plan.contact_p else ()
         except UnsupportedLayout as exc:
             plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}")
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
@@ -224,6 +224,8 @@ class PullLoop:
         )
 
     def _release_after_crash(self, plan: PullPlan, client: SideChannelClient) -> None:
+        if not plan.contact_p:
+            return
         r = plan.remote
         try:
             for source in self.sources_for(r.tp_size):

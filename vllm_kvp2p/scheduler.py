@@ -134,7 +134,8 @@ class SchedulerSide:
         per_group = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
         unhashed = [per_group[gid] for gid in self.group_ids] if per_group else []
         local_hit = self._local_hit_tokens(request, blocks, num_external_tokens)
-        plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit)
+        plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit,
+                                      request.num_prompt_tokens)
         if plan is not None:
             logger.debug(
                 "planned pull of %s: %d blocks (%s) from %s",
@@ -167,7 +168,7 @@ class SchedulerSide:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            self.consumer.on_finished(request.request_id, params)
+            self.consumer.on_finished(request.request_id, params, request.num_prompt_tokens)
             report = self._reports.pop(request.request_id, None)
             return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
         if not (self.is_producer and params.get("do_remote_decode")):

@@ -55,7 +55,7 @@ def test_local_prefix_hit_pulls_the_rest_of_each_group() -> None:
 
 @pytest.mark.parametrize(("lists", "tokens", "block_size", "message"), [
     ([[1, 2]], 20, BS, "KV-cache groups differ: P sent 1, D has 2"),
-    ([[1, 2], [2]], 20, 32, "hybrid models need one block size: P uses 32, D 16"),
+    ([[1], [2]], 20, 32, "hybrid models need one block size: P uses 32, D 16"),
     ([[1, 2], [2]], 30, BS, "P computed 30 tokens, D loads 20"),
     ([[1, 2], []], 20, BS, "group 1 (sliding window 40): P offers 0 blocks, D needs 2"),
 ])

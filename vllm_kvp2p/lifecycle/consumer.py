@@ -41,6 +41,7 @@ class PullPlan:
     error: str = ""  # the plan is already known to fail (the worker still releases P)
     test_corrupt: bool = False  # test hook (honoured only with the test_hooks setting): corrupt what was pulled
     remote_token_offset: int = 0  # first token to pull, within remote_block_ids[0] (P blocks larger than D's)
+    contact_p: bool = True  # False: P's address in the params is invalid; the plan fails with no network call
 
     @property
     def num_blocks(self) -> int:
@@ -66,12 +67,17 @@ class ConsumerSchedule:
     def matched_tokens(
         self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, num_local_computed: int
     ) -> tuple[int, bool]:
-        """Tokens D can load from P beyond its local prefix-cache hit. No side effects."""
+        """Tokens D can load from P beyond its local prefix-cache hit. No side effects. Params that parse but are
+        invalid (:meth:`RemotePrefill.problem`) still ask for the prompt, so that the failed plan made for them
+        ends the request the way vLLM's ``kv_load_failure_policy`` says (recompute, or an error)."""
         if request_id in self._planned or not params or not params.get("do_remote_prefill"):
             return 0, False
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return 0, False
+        if remote.problem(num_prompt_tokens):
+            count = num_prompt_tokens - 1 - num_local_computed
+            return (count, True) if count > 0 else (0, False)
         count = self.prompt_end(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
         if count <= 0:
             return 0, False
@@ -91,6 +97,7 @@ class ConsumerSchedule:
         num_external_tokens: int,
         unhashed_block_ids: Sequence[Sequence[int]],
         num_local_computed: int,
+        num_prompt_tokens: int | None = None,
     ) -> PullPlan | None:
         """vLLM allocated blocks for the request: plan the pull (or the release) exactly once.
 
@@ -102,7 +109,13 @@ class ConsumerSchedule:
         if remote is None:
             return None
         self._planned.add(request_id)
-        if num_external_tokens <= 0:
+        problem = remote.problem(num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens)
+        if problem:
+            # Nothing is read; P is still released if its side channel is addressable (it may hold the blocks).
+            plan = PullPlan(request_id, remote, tuple(tuple(g) for g in unhashed_block_ids), (),
+                            awaiting=num_external_tokens > 0, error=f"invalid kv_transfer_params: {problem}",
+                            contact_p=not remote.address_problem())
+        elif num_external_tokens <= 0:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
             local = tuple(tuple(g) for g in unhashed_block_ids)
@@ -115,7 +128,9 @@ class ConsumerSchedule:
         self._pending.append(plan)
         return plan
 
-    def on_finished(self, request_id: str, params: dict[str, Any] | None) -> PullPlan | None:
+    def on_finished(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int | None = None
+    ) -> PullPlan | None:
         """vLLM is done with the request. One that never got blocks (rejected, aborted while waiting for
         admission) still releases P now instead of at P's hold timeout."""
         if request_id in self._planned:
@@ -126,6 +141,8 @@ class ConsumerSchedule:
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return None
+        if remote.address_problem():
+            return None  # no side channel to release: contact no one
         plan = PullPlan(request_id, remote, (), (), awaiting=False)
         self._pending.append(plan)
         return plan

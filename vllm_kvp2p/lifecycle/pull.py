@@ -174,6 +174,9 @@ class ConsumerPull:
         self._failure = plan.error
         nothing = not plan.num_blocks or not plan.awaiting or not self._readable
         self._phase = _Phase.RELEASE if (nothing or self._failure) else _Phase.REGISTRATION
+        if not plan.contact_p:  # invalid params: no release either, to an address any client could have named
+            for st in self._sources:
+                st.released = True
         if plan.awaiting and plan.num_blocks and not self._readable and not self._failure:
             self._failure = "the TP mapping gives this D rank nothing to read"
         self._result: PullResult | None = None

@@ -1,0 +1,106 @@
+"""Hostile kv_transfer_params sent straight to a real D (any client of its HTTP API can): each request ends within
+seconds with D's own answer (this cluster's D recomputes failed loads), nothing is sent to the addresses the params
+name, both engines end idle, and a normal P/D request afterwards still works."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from tests.e2e.helpers import (
+    LOGPROB_TOL,
+    Cluster,
+    baseline,
+    completion_body,
+    max_logprob_gap,
+    post,
+    prompt_ids,
+    wait_kv_idle,
+)
+from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+
+BOUND_S = 10.0  # each request on its own; generous for a loaded 2-core machine
+
+
+def real_params(cluster: Cluster, prompt: list[int]) -> dict:
+    p = post(cluster.prefill.url + "/v1/completions",
+             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    return p["kv_transfer_params"]
+
+
+def fabricated_params(prompt: list[int], port: int, **change: object) -> dict:
+    """Params no P issued, naming a listener of this test as P's side channel."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "nobody", "remote_request_id": "r",
+        "remote_host": "127.0.0.1", "remote_port": port, "remote_block_ids": [[1, 2, 3]], "remote_hold_id": "h",
+        "remote_num_tokens": len(prompt), "remote_block_size": 32, "tp_size": 1, **change,
+    }
+
+
+@pytest.mark.parametrize("change", [
+    {"tp_size": 2_000_000},
+    {"tp_size": -3},
+    {"remote_host": "x" * 5000},
+    {"remote_port": 70000},
+], ids=["tp-huge", "tp-negative", "host-5000", "port-out-of-range"])
+def test_unaddressable_params_end_fast_without_contacting_anyone(cluster: Cluster, change: dict) -> None:
+    prompt = prompt_ids(96, seed=31337)
+    listener = socket.socket()  # where the params point (before the change): it must see no connection
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    params = fabricated_params(prompt, listener.getsockname()[1], **change)
+    start = time.monotonic()
+    out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    took = time.monotonic() - start
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    listener.close()
+    assert took < BOUND_S, took
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL  # recomputed by D
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and "invalid kv_transfer_params" in report["reason"], report
+
+
+@pytest.mark.parametrize("change", [
+    {"remote_block_ids": [[-1, -2, -3]]},
+    {"remote_block_ids": [list(range(200_000))]},
+    {"remote_num_tokens": 10**12},
+], ids=["negative-ids", "200k-ids", "tokens-huge"])
+def test_invalid_content_ends_fast_and_p_is_released(cluster: Cluster, change: dict) -> None:
+    """P really holds the prompt; the client changed what it sends to D: nothing is read, P's hold is released
+    (its address is valid), D recomputes."""
+    prompt = prompt_ids(96, seed=31338)
+    params = {**real_params(cluster, prompt), **change}
+    start = time.monotonic()
+    out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    assert time.monotonic() - start < BOUND_S
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and "invalid kv_transfer_params" in report["reason"], report
+    assert wait_kv_idle(cluster.prefill) == 0.0
+
+
+def test_out_of_range_block_ids_fail_at_pull_time_and_p_is_released(cluster: Cluster) -> None:
+    """Plausible ids that P does not have (only P's registration knows its block count): the pull fails at once,
+    P's real hold is released, and D recomputes."""
+    prompt = prompt_ids(64, seed=4444)
+    params = {**real_params(cluster, prompt), "remote_block_ids": [[2**62, 2**63 - 1]]}
+    start = time.monotonic()
+    out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    assert time.monotonic() - start < BOUND_S
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and "out of range" in report["reason"], report
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+
+
+def test_engines_idle_and_normal_requests_work_afterwards(cluster: Cluster) -> None:
+    prompt = prompt_ids(150, seed=2024)
+    out = post(cluster.decode.url + "/v1/completions",
+               completion_body(prompt, kv_transfer_params=real_params(cluster, prompt)))
+    assert out["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+    assert wait_kv_idle(cluster.prefill) == 0.0
+    assert wait_kv_idle(cluster.decode) == 0.0

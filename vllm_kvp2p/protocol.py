@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import msgspec
 
-from vllm_kvp2p.kv_groups import KVGroup
+from vllm_kvp2p.kv_groups import KVGroup, prompt_blocks, single_full_group
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -90,7 +90,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
             return f"remote_num_tokens {self.remote_num_tokens} outside 1..{num_prompt_tokens} (the prompt)"
         if not 1 <= len(self.remote_block_ids) <= MAX_KV_GROUPS:
             return f"remote_block_ids has {len(self.remote_block_ids)} groups, not 1..{MAX_KV_GROUPS}"
-        most = -(-self.remote_num_tokens // self.remote_block_size)
+        most = prompt_blocks(self.remote_num_tokens, self.remote_block_size)
         for i, ids in enumerate(self.remote_block_ids):
             if len(ids) > most:
                 return (f"remote_block_ids[{i}] has {len(ids)} blocks; {self.remote_num_tokens} tokens fill at most "
@@ -140,7 +140,7 @@ class RankRegistration(msgspec.Struct, frozen=True):
     plane_groups: list[int] = msgspec.field(default_factory=list)  # group index of each plane; empty: all 0
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
-        return tuple(self.groups) or (KVGroup("full", self.block_size),)
+        return tuple(self.groups) or single_full_group(self.block_size)
 
     def group_of_planes(self) -> tuple[int, ...]:
         return tuple(self.plane_groups) or (0,) * len(self.planes)

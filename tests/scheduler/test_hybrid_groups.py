@@ -18,6 +18,7 @@ from tests.scheduler.harness import (
     make_request,
     make_scheduler,
     make_vllm_config,
+    run_until_idle,
     step,
     tokens,
 )
@@ -86,11 +87,7 @@ def test_d_pulls_every_full_block_and_only_the_window_of_sliding_layers() -> Non
     assert remote_sliding == tuple(params["remote_block_ids"][1][-len(local_sliding):])
     assert plan.num_blocks == len(local_full) + len(local_sliding) < 2 * len(local_full)
 
-    step(d_sched, finished_recving={"d1"})
-    for _ in range(8):
-        if "d1" not in d_sched.requests:
-            break
-        step(d_sched)
+    run_until_idle(d_sched, finished_recving={"d1"})
     assert_scheduler_empty(d_sched)
     step(p_sched, finished_sending={"p1"})
     assert_scheduler_empty(p_sched)
@@ -113,11 +110,7 @@ def test_d_local_prefix_hit_pulls_only_the_rest_of_each_group() -> None:
     assert len(local_full) == math.ceil(100 / BS) - 4  # blocks 4..6
     assert plan.remote_block_ids[0] == tuple(params["remote_block_ids"][0][4:])
     assert len(local_sliding) <= MAX_WINDOW_BLOCKS
-    step(d_sched, finished_recving={"d1"})
-    for _ in range(8):
-        if "d1" not in d_sched.requests:
-            break
-        step(d_sched)
+    run_until_idle(d_sched, finished_recving={"d1"})
     assert_scheduler_empty(d_sched)
     step(p_sched, finished_sending={"p1"})
 
@@ -171,9 +164,5 @@ def test_all_sliding_model_pulls_only_the_window(warm_tokens: int) -> None:
     ((local,),) = (plan.local_block_ids,)
     assert 0 < len(local) <= MAX_WINDOW_BLOCKS
     assert plan.remote_block_ids == (tuple(offered[-len(local):]),)
-    step(d_sched, finished_recving={"d1"})
-    for _ in range(8):
-        if "d1" not in d_sched.requests:
-            break
-        step(d_sched)
+    run_until_idle(d_sched, finished_recving={"d1"})
     assert_scheduler_empty(d_sched)

@@ -160,11 +160,7 @@ class ConsumerSchedule:
         """One full-attention group (no HMA): P's and D's block sizes may differ."""
         p_bs, d_bs = remote.remote_block_size, self.block_size
         if len(remote.remote_block_ids) != 1 or len(local) != 1:
-            return PullPlan(
-                request_id, remote, local, (), awaiting=True,
-                error=f"KV-cache groups differ: P sent {len(remote.remote_block_ids)}, D has {len(self.groups)} "
-                "(P and D must serve the same model with the same hybrid-allocator setting)",
-            )
+            return PullPlan(request_id, remote, local, (), awaiting=True, error=self._groups_differ(remote))
         if p_bs <= 0 or (p_bs % d_bs and d_bs % p_bs):
             return PullPlan(
                 request_id, remote, local, (), awaiting=True,
@@ -185,6 +181,10 @@ class ConsumerSchedule:
             )
         return PullPlan(request_id, remote, local, (remote_ids,), awaiting=True, remote_token_offset=offset)
 
+    def _groups_differ(self, remote: RemotePrefill) -> str:
+        return (f"KV-cache groups differ: P sent {len(remote.remote_block_ids)}, D has {len(self.groups)} "
+                "(P and D must serve the same model with the same hybrid-allocator setting)")
+
     def _hybrid_pull_plan(self, request_id: str, remote: RemotePrefill, local: BlockIds, num_tokens: int) -> PullPlan:
         """Several KV-cache groups (HMA): per group, D's needed tail pairs with the tail of P's list (both lists
         end at the prompt's last block, see vllm_kvp2p/kv_groups.py); block sizes must match."""
@@ -192,10 +192,7 @@ class ConsumerSchedule:
             return PullPlan(request_id, remote, local, (), awaiting=True, error=error)
 
         if len(remote.remote_block_ids) != len(self.groups) or len(local) != len(self.groups):
-            return failed(
-                f"KV-cache groups differ: P sent {len(remote.remote_block_ids)}, D has {len(self.groups)} "
-                "(P and D must serve the same model with the same hybrid-allocator setting)"
-            )
+            return failed(self._groups_differ(remote))
         if remote.remote_block_size != self.block_size:
             return failed(f"hybrid models need one block size: P uses {remote.remote_block_size}, D {self.block_size}")
         if remote.remote_num_tokens != num_tokens:

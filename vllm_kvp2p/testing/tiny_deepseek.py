@@ -9,19 +9,10 @@ so a wrong KV cache shows in the answers. The tokenizer is make_tiny_llama's.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from vllm_kvp2p.testing.tiny_model import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    _dump_json,
-    _spec,
-    build_model_dir,
-    write_tokenizer_files,
-)
+from vllm_kvp2p.testing.tiny_model import BOS_ID, EOS_ID, PAD_ID, _spec, build_model_dir, save_transformers_model
 
 #: What vLLM's CPU MLA backend needs.
 MLA_BLOCK_SIZE = 16
@@ -67,11 +58,6 @@ def make_tiny_deepseek_v3(
                     p.mul_(3.0)
                 elif "kv_a_proj" in name or "q_proj" in name:
                     p.mul_(2.0)  # sharper attention: the answer depends on which tokens are attended
-        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
-        written = json.loads((tmp / "config.json").read_text())
-        written["torch_dtype"] = dtype
-        (tmp / "config.json").write_text(_dump_json(written))
-        # After save_pretrained, whose own generation_config.json this replaces with the token-ids-only one.
-        write_tokenizer_files(tmp, vocab, max_pos)
+        save_transformers_model(model, tmp, dtype, vocab, max_pos)
 
     return build_model_dir(Path(path), spec, write)

@@ -387,6 +387,19 @@ def write_tokenizer_files(directory: Path, vocab: int, max_pos: int) -> TokenIds
     return TokenIds(allowed, BOS_ID, EOS_ID, PAD_ID)
 
 
+def save_transformers_model(model: object, directory: Path, dtype: str, vocab: int, max_pos: int) -> None:
+    """Save a tiny model built with transformers' own class (so every weight name is the one vLLM's loader
+    expects) in ``dtype``, with ``torch_dtype`` in its config.json and the tiny tokenizer. The tokenizer is written
+    after ``save_pretrained``, whose generation_config.json it replaces with the token-ids-only one."""
+    import torch
+
+    model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
+    written = json.loads((directory / "config.json").read_text())
+    written["torch_dtype"] = dtype
+    (directory / "config.json").write_text(_dump_json(written))
+    write_tokenizer_files(directory, vocab, max_pos)
+
+
 def build_model_dir(path: Path, spec: dict, write: Callable[[Path], None]) -> Path:
     """Write (or reuse) a model directory at ``path`` whose files ``write(tmp)`` produces (every name in
     ``_FILES`` but the marker), recorded by the marker file ``MARKER_NAME`` holding ``spec``.

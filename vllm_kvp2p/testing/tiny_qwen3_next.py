@@ -10,19 +10,10 @@ Rescaled as make_tiny_deepseek_v3 does, so the state and the attention matter. T
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from vllm_kvp2p.testing.tiny_model import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    _dump_json,
-    _spec,
-    build_model_dir,
-    write_tokenizer_files,
-)
+from vllm_kvp2p.testing.tiny_model import BOS_ID, EOS_ID, PAD_ID, _spec, build_model_dir, save_transformers_model
 
 LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
 
@@ -63,10 +54,6 @@ def make_tiny_qwen3_next(
                     p.mul_(3.0)
                 elif any(k in name for k in ("q_proj", "k_proj", "in_proj_qkvz")):
                     p.mul_(2.0)  # sharper attention: the answer depends on what is in the cache and the state
-        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
-        written = json.loads((tmp / "config.json").read_text())
-        written["torch_dtype"] = dtype
-        (tmp / "config.json").write_text(_dump_json(written))
-        write_tokenizer_files(tmp, vocab, max_pos)
+        save_transformers_model(model, tmp, dtype, vocab, max_pos)
 
     return build_model_dir(Path(path), spec, write)

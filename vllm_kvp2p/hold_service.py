@@ -1,7 +1,9 @@
 """P side at run time: one worker's :class:`ProducerLedger`, its clock and lock, and the side channel D talks to.
 
 The ledger decides; this module only feeds it events (holds from vLLM's scheduler metadata, claims and releases
-from the side channel, the passing of time) and logs what it reports.
+from the side channel, the passing of time) and logs what it reports. A refusal or bound hit (an event with a
+``reason``, which peers can cause at will) is logged as a WARNING at most once a minute per reason, with the count
+of those not logged since; the ledger's ``counters`` have them all.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from vllm_kvp2p.lifecycle.producer import ProducerLedger
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL, MAX_EARLY_RELEASES, MAX_HOLDS, ProducerLedger
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     Ack,
@@ -28,6 +31,8 @@ from vllm_kvp2p.side_channel import SideChannelServer
 
 logger = get_logger(__name__)
 
+WARNING_INTERVAL = 60.0  # seconds between two warnings of one reason
+
 
 class HoldService:
     """Keeps P's finished prompts for decoders and answers them on ``host:port``."""
@@ -41,15 +46,27 @@ class HoldService:
         hold_timeout: float,
         lease_timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        max_holds: int = MAX_HOLDS,
+        max_early_releases: int = MAX_EARLY_RELEASES,
+        early_release_ttl: float = EARLY_RELEASE_TTL,
+        auth: Authenticator | None = None,
     ) -> None:
         self.registration = registration
-        self.ledger = ProducerLedger(hold_timeout, lease_timeout)
+        self.ledger = ProducerLedger(
+            hold_timeout, lease_timeout, max_holds=max_holds, max_early_releases=max_early_releases,
+            early_release_ttl=early_release_ttl,
+        )
         self._clock = clock
+        self._warned_at: dict[str, float] = {}  # reason -> when it was last logged
+        self._unlogged: dict[str, int] = {}  # reason -> events since then not logged
         self._lock = threading.Lock()
         self._server = SideChannelServer(
-            host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.tp_rank}"
+            host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.tp_rank}",
+            auth=auth,
         )
-        logger.info("KV hold service of rank %d listening on %s", registration.tp_rank, self._server.address)
+        logger.info("KV hold service of rank %d listening on %s (%s)", registration.tp_rank, self._server.address,
+                    "authenticated" if auth is not None else "unauthenticated: anyone who reaches it may fetch the "
+                    "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
     def hold(self, request_id: str, hold_id: str) -> None:
         with self._lock:
@@ -69,6 +86,15 @@ class HoldService:
         with self._lock:
             return self.ledger.active
 
+    def counters(self) -> dict[str, int]:
+        """Refusals and bound hits so far, by reason (:class:`ProducerLedger` names them)."""
+        with self._lock:
+            return dict(self.ledger.counters)
+
+    def table_sizes(self) -> dict[str, int]:
+        with self._lock:
+            return self.ledger.table_sizes()
+
     def _handle(self, message: Request) -> Reply:
         with self._lock:
             now = self._clock()
@@ -84,10 +110,13 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now
                     )
                 if isinstance(message, Renew):
-                    return self.ledger.renew(message.request_id, message.hold_id, message.reader, now)
+                    return self.ledger.renew(
+                        message.request_id, message.hold_id, message.reader, now, message.lease_token
+                    )
                 if isinstance(message, Release):
                     self.ledger.release(
-                        message.request_id, message.hold_id, message.reader, message.expected_readers, now
+                        message.request_id, message.hold_id, message.reader, message.expected_readers, now,
+                        message.lease_token,
                     )
                     return Ack()
                 return ErrorReply(f"unexpected message {type(message).__name__}")
@@ -95,8 +124,21 @@ class HoldService:
                 self._log_events()
 
     def _log_events(self) -> None:
-        for event in self.ledger.take_events():
-            logger.info("KV hold %s: %s", event.request_id, event.what)
+        events = self.ledger.take_events()
+        now = self._clock() if any(e.reason for e in events) else 0.0
+        for event in events:
+            if not event.reason:
+                logger.info("KV hold %s: %s", event.request_id, event.what)
+                continue
+            last = self._warned_at.get(event.reason)
+            if last is not None and now - last < WARNING_INTERVAL:
+                self._unlogged[event.reason] = self._unlogged.get(event.reason, 0) + 1
+                continue
+            self._warned_at[event.reason] = now
+            unlogged = self._unlogged.pop(event.reason, 0)
+            more = f" ({unlogged} more since the last warning)" if unlogged else ""
+            logger.warning("KV hold %s: %s [%s: %d so far]%s", event.request_id, event.what, event.reason,
+                           self.ledger.counters[event.reason], more)
 
     def close(self) -> None:
         self._server.close()

@@ -24,13 +24,15 @@ from vllm_kvp2p.kv_groups import KVGroup, prompt_blocks, single_full_group
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
-PROTOCOL_VERSION = 2  # 2: block ids per KV-cache group
+PROTOCOL_VERSION = 3  # 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params
 
 # Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone).
 MAX_TP_SIZE = 1024
 MAX_KV_GROUPS = 64
 MAX_BLOCK_SIZE = 1 << 20  # tokens
 MAX_ID_LENGTH = 256
+PortRanges = tuple[tuple[int, int], ...]
+ANY_PORT: PortRanges = ((1, 65535),)
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
@@ -54,6 +56,10 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     tp_size: int = 1
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
+    # P's incarnation (drawn at each start): D's cached registration of this P must be of the same one.
+    remote_incarnation: str = ""
+    expires_ms: int = 0  # with a shared secret: P's wall clock after which D refuses these params
+    mac: str = ""  # with a shared secret: HMAC-SHA256 over every other field (vllm_kvp2p/auth.py)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill | None:
@@ -63,27 +69,34 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
         except msgspec.ValidationError:
             return None
 
-    def address_problem(self) -> str:
+    def address_problem(self, port_ranges: PortRanges = ANY_PORT) -> str:
         """What makes P's side channel unaddressable ("" if nothing): then D contacts no one, not even to release.
-        Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``."""
+        Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``, all
+        inside one of ``port_ranges`` (inclusive; the ``peer_ports`` setting)."""
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             return f"tp_size {self.tp_size} outside 1..{MAX_TP_SIZE}"
-        if not 1 <= self.remote_port <= 65535 - (self.tp_size - 1):
-            return f"remote_port {self.remote_port} with tp_size {self.tp_size}: ports outside 1..65535"
+        last = self.remote_port + self.tp_size - 1
+        if not any(lo <= self.remote_port and last <= hi for lo, hi in port_ranges):
+            allowed = ", ".join(f"{lo}..{hi}" for lo, hi in port_ranges)
+            return (f"remote_port {self.remote_port} with tp_size {self.tp_size}: ports {self.remote_port}..{last} "
+                    f"not inside the allowed side-channel ports ({allowed}; the peer_ports setting)")
         if not _valid_host(self.remote_host):
             return f"remote_host {self.remote_host[:80]!r} is not an IP address or host name"
         return ""
 
-    def problem(self, num_prompt_tokens: int) -> str:
+    def problem(self, num_prompt_tokens: int, port_ranges: PortRanges = ANY_PORT) -> str:
         """What makes these params unusable for a ``num_prompt_tokens`` prompt ("" if nothing): checked before D
         plans anything, since any client can send them. Names the field."""
-        address = self.address_problem()
+        address = self.address_problem(port_ranges)
         if address:
             return address
         for name in ("remote_engine_id", "remote_request_id", "remote_hold_id"):
             value = getattr(self, name)
             if not 0 < len(value) <= MAX_ID_LENGTH:
                 return f"{name} must have 1..{MAX_ID_LENGTH} characters, has {len(value)}"
+        for name in ("remote_incarnation", "mac"):
+            if len(getattr(self, name)) > MAX_ID_LENGTH:
+                return f"{name} must have at most {MAX_ID_LENGTH} characters"
         if not 1 <= self.remote_block_size <= MAX_BLOCK_SIZE:
             return f"remote_block_size {self.remote_block_size} outside 1..{MAX_BLOCK_SIZE}"
         if not 1 <= self.remote_num_tokens <= num_prompt_tokens:
@@ -138,6 +151,8 @@ class RankRegistration(msgspec.Struct, frozen=True):
     protocol_version: int = PROTOCOL_VERSION
     groups: list[KVGroup] = msgspec.field(default_factory=list)  # empty: one full-attention group
     plane_groups: list[int] = msgspec.field(default_factory=list)  # group index of each plane; empty: all 0
+    incarnation: str = ""  # drawn at each start of P (the params carry it too)
+    model_fingerprint: str = ""  # what must match between P and D beyond the KV geometry (the model)
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return tuple(self.groups) or single_full_group(self.block_size)
@@ -166,6 +181,7 @@ class Renew(msgspec.Struct, frozen=True, tag="renew"):
     request_id: str
     hold_id: str
     reader: str
+    lease_token: str = ""  # from the claim's ClaimReply: without it P refuses
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -176,6 +192,7 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
     reader: str
     expected_readers: int = 1
     pulled: bool = False
+    lease_token: str = ""  # from the claim's ClaimReply; "" from a reader with no lease (it only notifies)
 
 
 class ClaimStatus(str, Enum):
@@ -192,6 +209,7 @@ class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
     status: ClaimStatus
     lease: float = 0.0  # seconds the claim stays valid without renewal
     reason: str = ""
+    lease_token: str = ""  # GRANTED: what renewals and the release of this lease must carry
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

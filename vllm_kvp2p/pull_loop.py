@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
@@ -36,7 +37,7 @@ from vllm_kvp2p.lifecycle.pull import (
     Wait,
 )
 from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release
+from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release, Request
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
@@ -80,6 +81,8 @@ class PullLoop:
         max_batch_entries: int,
         after_pull: Callable[[PullPlan, PullResult], None] | None = None,
         max_threads: int = 4,
+        pull_timeout: float = 60.0,
+        auth: Authenticator | None = None,
     ) -> None:
         self.engine = engine
         self.reader = reader
@@ -90,7 +93,14 @@ class PullLoop:
         self.claim_wait = claim_wait
         self.max_batch_entries = max_batch_entries
         self.after_pull = after_pull
-        # Registration of each remote (engine, rank), fetched once; dropped when a read from it fails.
+        self.pull_timeout = pull_timeout
+        self.auth = auth
+        if auth is None:
+            logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "
+                           "params name within peer_ports; docs/security.md", tp_rank)
+        # Registration of each P rank's side channel (host, port), fetched once and only stored once a pull
+        # accepted it (it matched the params and this D); dropped whenever a pull with it fails. Keyed by
+        # endpoint, not by the engine id the params claim, so params naming another host cannot replace it.
         self._registrations: dict[tuple[str, int], RankRegistration] = {}
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
@@ -132,7 +142,8 @@ class PullLoop:
     # ------------------------------------------------------------------ the threads
 
     def _run(self, plans: queue.Queue[PullPlan | None]) -> None:
-        client = SideChannelClient(self.side_channel_timeout)  # one per thread: REQ sockets are not shareable
+        # One per thread: REQ sockets are not shareable.
+        client = SideChannelClient(self.side_channel_timeout, auth=self.auth)
         try:
             while True:
                 plan = plans.get()
@@ -161,13 +172,16 @@ class PullLoop:
         job = ConsumerPull(
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
+            timeout=self.pull_timeout, release_timeout=self.side_channel_timeout,
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
-        for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until claim_wait
+        for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
             action = job.next_action(time.monotonic())
             started = time.monotonic()
             self._perform(plan, job, action, client, host, base_port)
             if isinstance(action, Finish):
+                if job.failed:
+                    self._forget(host, base_port, sources)
                 return action.result
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
@@ -183,13 +197,19 @@ class PullLoop:
         elif isinstance(action, Wait):
             time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
         elif isinstance(action, FetchRegistration):
-            reg, err = self._registration(client, plan.remote.remote_engine_id, host, base_port, action.source)
-            job.on_registration(action.source, reg, err)
+            endpoint = (host, base_port + action.source.p_rank)
+            cached = self._registrations.get(endpoint)
+            reg, err = (cached, "") if cached is not None else self._fetch_registration(client, job, endpoint,
+                                                                                          action.source)
+            if job.on_registration(action.source, reg, err) and reg is not None:
+                self._registrations[endpoint] = reg
+            elif cached is not None:  # P restarted, or these params are not for it: fetch afresh next time
+                self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
-            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
             job.on_claim_reply(action.source, reply, time.monotonic(), err)
         elif isinstance(action, SendRenew):
-            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message)
+            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
             job.on_renewed(action.source, reply, time.monotonic(), err)
         elif isinstance(action, ReadBatch):
             try:
@@ -201,15 +221,17 @@ class PullLoop:
                     self.engine.read(action.segment, action.descriptors)
                 job.on_batch_done(action.source, True)
             except TransferEngineError as exc:
-                self._registrations.pop((plan.remote.remote_engine_id, action.source.p_rank), None)
                 job.on_batch_done(action.source, False, str(exc))
         elif isinstance(action, SendRelease):
             try:
-                client.request(host, base_port + action.source.p_rank, action.message)
+                client.request(host, base_port + action.source.p_rank, action.message,
+                               timeout=job.time_left(time.monotonic()))
             except SideChannelError as exc:
-                # P is gone or unreachable: its hold timeout frees the blocks. Nothing else to do.
-                logger.warning("release of %s to P rank %d not delivered: %s",
-                               plan.request_id, action.source.p_rank, exc)
+                # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
+                logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "
+                               "hold_timeout frees the blocks", plan.request_id, action.source.p_rank, exc)
+                job.on_release_failed(action.source)
+                return
             job.on_release_sent(action.source)
 
     def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
@@ -234,26 +256,29 @@ class PullLoop:
         except Exception as exc:  # P's hold timeout frees the blocks in the end
             logger.warning("release of %s after a crash not delivered: %s", plan.request_id, exc)
 
-    def _registration(
-        self, client: SideChannelClient, engine_id: str, host: str, base_port: int, source: Source
+    @staticmethod
+    def _fetch_registration(
+        client: SideChannelClient, job: ConsumerPull, endpoint: tuple[str, int], source: Source
     ) -> tuple[RankRegistration | None, str]:
-        key = (engine_id, source.p_rank)
-        cached = self._registrations.get(key)
-        if cached is not None:
-            return cached, ""
         try:
-            reply = client.request(host, base_port + source.p_rank, GetRegistration(source.p_rank))
+            reply = client.request(*endpoint, GetRegistration(source.p_rank), timeout=job.time_left(time.monotonic()))
         except SideChannelError as exc:
             return None, str(exc)
         if not isinstance(reply, Registration):
             return None, f"unexpected reply {type(reply).__name__}"
-        self._registrations[key] = reply.registration
         return reply.registration, ""
 
+    def _forget(self, host: str, base_port: int, sources: tuple[Source, ...]) -> None:
+        """A failed pull drops the registrations it used: the next pull from that P fetches and checks afresh."""
+        for source in sources:
+            self._registrations.pop((host, base_port + source.p_rank), None)
+
     @staticmethod
-    def _ask(client: SideChannelClient, host: str, port: int, message) -> tuple[ClaimReply | None, str]:
+    def _ask(
+        client: SideChannelClient, host: str, port: int, message: Request, job: ConsumerPull
+    ) -> tuple[ClaimReply | None, str]:
         try:
-            reply = client.request(host, port, message)
+            reply = client.request(host, port, message, timeout=job.time_left(time.monotonic()))
         except SideChannelError as exc:
             return None, str(exc)
         if not isinstance(reply, ClaimReply):

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.identity import incarnation
 from vllm_kvp2p.kv_groups import FULL, common_block_size, groups_from_vllm, has_state, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
@@ -99,12 +101,23 @@ class SchedulerSide:
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
         self.side_channel_port = config.side_channel_port_for(data_parallel_index(parallel), self.tp_size, 0)
+        # What P's params name as remote_host; the workers resolve the same settings the same way (worker.py).
+        self.advertised_host = config.advertised_host(node_ip)
         # Refuses a KV cache it cannot move (Mamba state, ...) here, at engine start-up.
         self.group_ids = transfer_group_ids(kv_cache_config)
         self.groups = groups_from_vllm(kv_cache_config, self.group_ids)
         self._full_group = next((i for i, g in enumerate(self.groups) if g.kind == FULL), None)
         self.block_size = common_block_size(self.groups, vllm_config.cache_config.block_size)
-        self.consumer = ConsumerSchedule(self.block_size, self.groups)
+        self.incarnation = incarnation(vllm_config, engine_id)
+        self.auth = Authenticator(config.secret, config.clock_skew) if config.secret else None
+        if self.auth is None:
+            logger.warning("kv_transfer_params are %s: any client of D's API can name any P (set VLLM_KVP2P_SECRET "
+                           "or VLLM_KVP2P_SECRET_FILE on every P and D, docs/security.md)",
+                           "issued unsigned" if self.is_producer and not self.is_consumer else "not authenticated")
+        self.consumer = ConsumerSchedule(
+            self.block_size, self.groups, peer_ports=config.peer_port_ranges(),
+            authenticate=self._authenticate if self.auth is not None else None,
+        )
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}
 
@@ -185,15 +198,22 @@ class SchedulerSide:
         remote = RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
-            remote_host=self.config.host,
+            remote_host=self.advertised_host,
             remote_port=self.side_channel_port,
             remote_block_ids=offered,
             remote_hold_id=hold_id,
             remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             tp_size=self.tp_size,
+            remote_incarnation=self.incarnation,
         )
+        if self.auth is not None:
+            remote = self.auth.sign_params(remote, _now_ms() + int(self.config.hold_timeout * 1000))
         return True, remote.to_params()
+
+    def _authenticate(self, remote: RemotePrefill) -> str:
+        assert self.auth is not None
+        return self.auth.params_problem(remote, _now_ms())
 
     # ------------------------------------------------------------------ per step
 
@@ -209,6 +229,10 @@ class SchedulerSide:
         if isinstance(meta, KVP2PWorkerMetadata):
             # Keep reports only for requests still alive; an aborted one's pull may end after it finished.
             self._reports.update((k, v) for k, v in meta.reports.items() if self.consumer.is_planned(k))
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000  # wall clock: params cross hosts
 
 
 # Marks a request whose prompt was already shortened (vLLM may offer it again after a preemption).

@@ -2,22 +2,37 @@
 
 Only bytes move here; :mod:`vllm_kvp2p.protocol` defines what they mean and the server's handler decides what to
 answer. Every call is bounded by a timeout, and a socket that timed out is thrown away (a REQ socket that missed
-a reply cannot be reused).
+a reply cannot be reused). With a shared secret (:class:`~vllm_kvp2p.auth.Authenticator`) every frame both ways
+is sealed; a request that fails to open reaches no handler (no registration, claim, release or table entry), is
+answered with a plain error and counted in :attr:`SideChannelServer.dropped`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from vllm_kvp2p import protocol
+from vllm_kvp2p.auth import Authenticator, AuthError, ReplayGuard
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import ErrorReply, Reply, Request
 
 logger = get_logger(__name__)
+
+#: Largest request frame P accepts: requests are a few hundred bytes; ZMQ drops the connection of a peer that
+#: sends more, before any of it is buffered.
+MAX_REQUEST_BYTES = 64 << 10
+#: Largest reply D accepts (a registration lists every KV plane: a few KiB per layer).
+MAX_REPLY_BYTES = 64 << 20
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000  # wall clock: it is compared with the peer's
 
 
 class SideChannelError(RuntimeError):
@@ -27,12 +42,19 @@ class SideChannelError(RuntimeError):
 class SideChannelServer:
     """Answers side-channel requests on ``tcp://host:port`` from a daemon thread."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[Request], Reply], *, setting: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, handler: Callable[[Request], Reply], *, setting: str = "",
+        auth: Authenticator | None = None,
+    ) -> None:
         self.address = f"tcp://{host}:{port}"
         self._handler = handler
+        self._auth = auth
+        self._replays = ReplayGuard(2 * auth.skew_ms) if auth is not None else None
+        self.dropped: Counter[str] = Counter()  # requests not handled, by reason (read by the metrics)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             self._sock.bind(self.address)
         except zmq.ZMQError as exc:
@@ -61,24 +83,42 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             identity, payload = frames[0], frames[-1]
-            reply = self._answer(payload)
+            data = self._answer(payload)
             try:
-                self._sock.send_multipart([identity, b"", protocol.encode(reply)], zmq.NOBLOCK)
+                self._sock.send_multipart([identity, b"", data], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 logger.warning("side channel %s could not reply: %s", self.address, exc)
         self._sock.close()
         self._ctx.term()
 
-    def _answer(self, payload: bytes) -> Reply:
+    def _answer(self, payload: bytes) -> bytes:
+        """The reply frame for one request frame."""
+        nonce = b""
+        if self._auth is not None:
+            assert self._replays is not None
+            try:
+                payload, nonce = self._auth.open_request(payload, _now_ms(), self._replays)
+            except AuthError as exc:
+                self.dropped["unauthenticated"] += 1
+                count = self.dropped["unauthenticated"]
+                if count in (1, 10, 100, 1000) or count % 10000 == 0:  # a flood must not flood the log
+                    logger.warning("side channel %s dropped %d unauthenticated request(s), latest: %s (peers need "
+                                   "the same VLLM_KVP2P_SECRET and clocks within clock_skew)", self.address, count, exc)
+                return protocol.encode(ErrorReply(f"unauthenticated request: {exc}"))
         try:
             message = protocol.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return ErrorReply(f"undecodable request: {exc}")
-        try:
-            return self._handler(message)
-        except Exception as exc:  # a handler bug must not kill the server thread
-            logger.exception("side-channel handler failed on %r", message)
-            return ErrorReply(f"{type(exc).__name__}: {exc}")
+            self.dropped["undecodable"] += 1
+            reply: Reply = ErrorReply(f"undecodable request: {str(exc)[:200]}")
+        else:
+            try:
+                reply = self._handler(message)
+            except Exception as exc:  # a handler bug must not kill the server thread
+                logger.exception("side-channel handler failed on %s", type(message).__name__)
+                self.dropped["handler_error"] += 1
+                reply = ErrorReply(f"{type(exc).__name__}: {exc}")
+        data = protocol.encode(reply)
+        return self._auth.seal_reply(data, nonce, _now_ms()) if self._auth is not None else data
 
     def close(self) -> None:
         self._stop.set()
@@ -93,42 +133,58 @@ class SideChannelClient:
     message stuck on a dead connection then costs a fraction of the budget instead of the whole transfer.
     """
 
-    def __init__(self, timeout: float, attempts: int = 3) -> None:
+    def __init__(self, timeout: float, attempts: int = 3, *, auth: Authenticator | None = None) -> None:
         self.attempts = max(1, attempts)
-        self.timeout_ms = max(100, int(timeout * 1000 / self.attempts))
+        self.timeout = timeout
+        self._auth = auth
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
 
-    def request(self, host: str, port: int, message: Request) -> Reply:
+    def request(self, host: str, port: int, message: Request, timeout: float | None = None) -> Reply:
+        """``timeout`` (at most the client's own) bounds this call, all attempts together."""
         endpoint = f"tcp://{host}:{port}"
+        budget = self.timeout if timeout is None else min(timeout, self.timeout)
+        timeout_ms = max(100, int(budget * 1000 / self.attempts))
         error: Exception | None = None
         for _ in range(self.attempts):
             try:
-                return self._once(endpoint, message)
+                return self._once(endpoint, message, timeout_ms)
             except zmq.ZMQError as exc:
                 self._drop(endpoint)
                 error = exc
         raise SideChannelError(
-            f"no answer from {endpoint} in {self.attempts} attempts of {self.timeout_ms} ms: {error}"
+            f"no answer from {endpoint} in {self.attempts} attempts of {timeout_ms} ms: {error}"
         ) from error
 
-    def _once(self, endpoint: str, message: Request) -> Reply:
+    def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.REQ)
-            for opt, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, self.timeout_ms), (zmq.SNDTIMEO, self.timeout_ms)):
+            for opt, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
                 sock.setsockopt(opt, value)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
-        sock.send(protocol.encode(message))
+        for opt in (zmq.RCVTIMEO, zmq.SNDTIMEO):
+            sock.setsockopt(opt, timeout_ms)
+        data = protocol.encode(message)
+        nonce = b""
+        if self._auth is not None:
+            data, nonce = self._auth.seal_request(data, _now_ms())
+        sock.send(data)
         data = sock.recv()
+        if self._auth is not None:
+            try:
+                data = self._auth.open_reply(data, nonce, _now_ms())
+            except AuthError as exc:
+                self._drop(endpoint)
+                raise SideChannelError(f"unauthenticated reply from {endpoint}: {exc}{_plain_error(data)}") from exc
         try:
             reply = protocol.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(endpoint)
             raise SideChannelError(f"undecodable reply from {endpoint}: {exc}") from exc
         if isinstance(reply, ErrorReply):
-            raise SideChannelError(f"{endpoint} answered with an error: {reply.message}")
+            raise SideChannelError(f"{endpoint} answered with an error: {reply.message[:500]}")
         return reply
 
     def _drop(self, endpoint: str) -> None:
@@ -140,3 +196,12 @@ class SideChannelClient:
         for endpoint in list(self._socks):
             self._drop(endpoint)
         self._ctx.term()
+
+
+def _plain_error(data: bytes) -> str:
+    """What an unsealed error reply says (a P without the secret, or one that refused ours), for the log only."""
+    try:
+        reply = protocol.decode_reply(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+    return f" (it says: {reply.message[:200]})" if isinstance(reply, ErrorReply) else ""

@@ -11,9 +11,11 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p.compat import data_parallel_index, transfer_group_ids
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.identity import incarnation, model_fingerprint
 from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, layer_groups_from_vllm
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
@@ -73,6 +75,8 @@ class WorkerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
+        # The Mooncake segment's hostname; the scheduler half advertises the same address as remote_host.
+        self.advertised_host = config.advertised_host(node_ip)
         self.engine: MooncakeEngine | None = None
         self.hold_service: HoldService | None = None
         self.pull_loop: PullLoop | None = None
@@ -124,6 +128,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
         model = self.vllm_config.model_config
+        self.model_fingerprint = model_fingerprint(self.vllm_config)
         group_ids = transfer_group_ids(self.kv_cache_config)
         groups = groups_from_vllm(self.kv_cache_config, group_ids)
         group_of_layer = layer_groups_from_vllm(self.kv_cache_config, group_ids)
@@ -159,6 +164,7 @@ class WorkerSide:
             groups=groups,
             plane_groups=tuple(plane_groups),
             tp_size=self.tp_size,
+            model_fingerprint=self.model_fingerprint,
         )
         with self.platform.service_threads():
             self._start_services(regions, how, first, num_blocks, local_heads, model.get_head_size())
@@ -169,7 +175,7 @@ class WorkerSide:
     ) -> None:
         config, local = self.config, self.local
         protocol = config.protocol or self.platform.default_protocol
-        self.engine = MooncakeEngine(config.host, protocol, config.device_name, config.transfer_timeout)
+        self.engine = MooncakeEngine(self.advertised_host, protocol, config.device_name, config.transfer_timeout)
         self.engine.register(regions, self.platform.memory_location(first))
         logger.info(
             "rank %d: %d layers in %d KV-cache group(s) (%s), %d KV planes of %d blocks (%s), registered as %d "
@@ -195,12 +201,18 @@ class WorkerSide:
             use_mla=local.use_mla,
             groups=list(local.groups),
             plane_groups=list(local.plane_groups),
+            incarnation=incarnation(self.vllm_config, self.engine_id),
+            model_fingerprint=self.model_fingerprint,
         )
+        auth = Authenticator(config.secret, config.clock_skew) if config.secret else None
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
+            bind_host = config.side_channel_bind_host(self.advertised_host)
+            logger.info("rank %d: side channel binds %s:%d, advertised as %s", self.tp_rank, bind_host, port,
+                        self.advertised_host)
             self.hold_service = HoldService(
-                registration, config.host, port,
-                hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout,
+                registration, bind_host, port,
+                hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
             )
         if self.is_consumer:
             self.pull_loop = PullLoop(
@@ -210,6 +222,8 @@ class WorkerSide:
                 tp_rank=self.tp_rank,
                 local=local,
                 side_channel_timeout=config.side_channel_timeout,
+                pull_timeout=config.pull_timeout,
+                auth=auth,
                 claim_wait=config.claim_wait,
                 max_batch_entries=config.max_batch_entries,
                 max_threads=config.pull_threads,

@@ -100,13 +100,13 @@ def registration_of(local: LocalKV, tp_size: int = 1) -> RankRegistration:
                             plane_groups=list(local.plane_groups))
 
 
-def state_plan() -> PullPlan:
-    remote = RemotePrefill.from_params(hybrid_params([[1, 2], [5]], 20))
+def state_plan(p_tp_size: int = 1) -> PullPlan:
+    remote = RemotePrefill.from_params({**hybrid_params([[1, 2], [5]], 20), "tp_size": p_tp_size})
     return PullPlan("d1", remote, ((3, 4), (9,)), ((1, 2), (5,)), awaiting=True)
 
 
-def started_pull(local: LocalKV) -> ConsumerPull:
-    job = ConsumerPull(state_plan(), [Source(0, 1, (HeadSlice(0, 0, 0, 2),))], "d:0", local, claim_wait=1.0,
+def started_pull(local: LocalKV, p_tp_size: int = 1) -> ConsumerPull:
+    job = ConsumerPull(state_plan(p_tp_size), [Source(0, 1, (HeadSlice(0, 0, 0, 2),))], "d:0", local, claim_wait=1.0,
                        max_batch_entries=1024, now=0.0)
     assert isinstance(job.next_action(0), FetchRegistration)
     return job
@@ -131,7 +131,7 @@ def test_each_group_reads_its_own_planes_with_its_own_block_ids() -> None:
 ])
 def test_registration_of_another_group_layout_is_refused(change: dict, message: str) -> None:
     local = local_kv(1 << 20, (FULL_G, STATE_G))
-    job = started_pull(local)
+    job = started_pull(local, p_tp_size=change.get("tp_size", 1))
     p = msgspec.structs.replace(registration_of(local_kv(1 << 30, (FULL_G, STATE_G))), **change)
     job.on_registration(Source(0, 1, (HeadSlice(0, 0, 0, 2),)), p)
     job.on_release_sent(Source(0, 1, (HeadSlice(0, 0, 0, 2),)))

@@ -14,12 +14,12 @@ receive finished (reporting it for a RUNNING request kills vLLM's scheduler). P 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvp2p.kv_groups import FULL, KVGroup, has_state, single_full_group
-from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
 
@@ -55,9 +55,20 @@ class PullPlan:
 class ConsumerSchedule:
     """Per-request pull decisions on D's scheduler."""
 
-    def __init__(self, block_size: int, groups: tuple[KVGroup, ...] | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        groups: tuple[KVGroup, ...] | None = None,
+        *,
+        peer_ports: PortRanges = ANY_PORT,
+        authenticate: Callable[[RemotePrefill], str] | None = None,
+    ) -> None:
+        """``peer_ports``: the side-channel ports params may name. ``authenticate``: with a shared secret, why
+        params are not P's ("" when they are; vllm_kvp2p/auth.py): such params make D contact no one."""
         self.block_size = block_size
         self.groups = groups or single_full_group(block_size)
+        self.peer_ports = peer_ports
+        self._authenticate = authenticate
         # A recurrent state cannot be rewound: D loads all but the last prompt token and computes that one itself
         # (P prefills as many, see vllm_kvp2p/kv_groups.py).
         self._holdback = 1 if has_state(self.groups) else 0
@@ -75,7 +86,7 @@ class ConsumerSchedule:
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return 0, False
-        if remote.problem(num_prompt_tokens):
+        if self._problem(remote, num_prompt_tokens)[0]:
             count = num_prompt_tokens - 1 - num_local_computed
             return (count, True) if count > 0 else (0, False)
         count = self.prompt_end(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
@@ -109,12 +120,13 @@ class ConsumerSchedule:
         if remote is None:
             return None
         self._planned.add(request_id)
-        problem = remote.problem(num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens)
+        problem, contact_p = self._problem(
+            remote, num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens
+        )
         if problem:
             # Nothing is read; P is still released if its side channel is addressable (it may hold the blocks).
             plan = PullPlan(request_id, remote, tuple(tuple(g) for g in unhashed_block_ids), (),
-                            awaiting=num_external_tokens > 0, error=f"invalid kv_transfer_params: {problem}",
-                            contact_p=not remote.address_problem())
+                            awaiting=num_external_tokens > 0, error=problem, contact_p=contact_p)
         elif num_external_tokens <= 0:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
@@ -141,11 +153,22 @@ class ConsumerSchedule:
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return None
-        if remote.address_problem():
-            return None  # no side channel to release: contact no one
+        if not self._problem(remote, num_prompt_tokens or remote.remote_num_tokens)[1]:
+            return None  # no side channel to release (or none proven to be P's): contact no one
         plan = PullPlan(request_id, remote, (), (), awaiting=False)
         self._pending.append(plan)
         return plan
+
+    def _problem(self, remote: RemotePrefill, num_prompt_tokens: int) -> tuple[str, bool]:
+        """Why the params cannot be used ("" if they can), and whether P may still be contacted to release."""
+        if self._authenticate is not None:
+            refused = self._authenticate(remote)
+            if refused:
+                return f"unauthenticated kv_transfer_params: {refused}", False
+        problem = remote.problem(num_prompt_tokens, self.peer_ports)
+        if problem:
+            return f"invalid kv_transfer_params: {problem}", not remote.address_problem(self.peer_ports)
+        return "", True
 
     def is_planned(self, request_id: str) -> bool:
         return request_id in self._planned

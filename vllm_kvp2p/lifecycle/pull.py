@@ -20,7 +20,7 @@ from typing import Union
 
 from vllm_kvp2p.kv_groups import STATE, KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import PullPlan
-from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
+from vllm_kvp2p.protocol import PROTOCOL_VERSION, Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
@@ -40,6 +40,7 @@ class LocalKV:
     groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
     plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
     tp_size: int = 1
+    model_fingerprint: str = ""  # vllm_kvp2p/identity.py; empty: not compared
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return self.groups or single_full_group(self.block_size)
@@ -143,6 +144,7 @@ class _SourceState:
     retry_at: float = 0.0
     renew_at: float = 0.0
     lease: float = 0.0
+    lease_token: str = ""  # from P's GRANTED claim reply; renewals and the release carry it
     batches: list[Descriptors] = field(default_factory=list)
     released: bool = False
 
@@ -160,13 +162,22 @@ class ConsumerPull:
         claim_wait: float,
         max_batch_entries: int,
         now: float,
+        timeout: float = float("inf"),
+        release_timeout: float = float("inf"),
     ) -> None:
+        """``timeout``: the whole pull's budget (every round trip and read, from ``now``); past it the pull fails.
+        ``release_timeout``: after that, how long the releases may take; past it the remaining ones are not sent
+        (P's hold timeout frees the blocks)."""
         self.plan = plan
         self.reader = reader
         self.local = local
         self.claim_wait = claim_wait
         self.max_batch_entries = max_batch_entries
         self._sources = [_SourceState(s, claim_deadline=now + claim_wait) for s in sources]
+        self.timeout = timeout
+        self._deadline = now + timeout
+        self._release_timeout = release_timeout
+        self._release_deadline = self._deadline + release_timeout
         self._readable = [i for i, st in enumerate(self._sources) if st.source.slices]
         self._cursor = 0  # index into _readable
         self._bytes = 0
@@ -191,10 +202,14 @@ class ConsumerPull:
         if self._phase is _Phase.DONE:
             assert self._result is not None
             return Finish(self._result)
+        if self._phase is not _Phase.RELEASE and now >= self._deadline:
+            self._fail(f"the pull took longer than pull_timeout={self.timeout:g}s")
         if self._phase is _Phase.RELEASE:
+            if now >= self._release_deadline:
+                self._give_up_releases()
             for st in self._sources:
                 if not st.released:
-                    return SendRelease(st.source, self._release(st.source))
+                    return SendRelease(st.source, self._release(st))
             self._phase = _Phase.DONE
             self._result = self._make_result()
             return Finish(self._result)
@@ -208,27 +223,32 @@ class ConsumerPull:
         # READ
         if st.lease and now >= st.renew_at:
             r = self.plan.remote
-            return SendRenew(st.source, Renew(r.remote_request_id, r.remote_hold_id, self.reader))
+            return SendRenew(st.source, Renew(r.remote_request_id, r.remote_hold_id, self.reader, st.lease_token))
         assert st.registration is not None
         return ReadBatch(st.source, st.registration.segment, st.batches[0])
 
-    def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "") -> None:
+    def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "") -> bool:
+        """True when the registration is accepted (only then may the caller cache it)."""
         st = self._current(source, _Phase.REGISTRATION)
         if st is None:
-            return
+            return False
         if registration is None:
-            return self._fail(f"no registration from P rank {source.p_rank}: {error}")
-        problem = self._incompatible(registration)
+            self._fail(f"no registration from P rank {source.p_rank}: {error}")
+            return False
+        problem = self._incompatible(source, registration)
         if problem:
-            return self._fail(f"P rank {source.p_rank} is incompatible: {problem}")
+            self._fail(f"P rank {source.p_rank} is incompatible: {problem}")
+            return False
         try:
             descriptors = self._descriptors_for(source, registration)
         except ValueError as exc:
-            return self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}")
+            self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}")
+            return False
         st.registration = registration
         st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
         self._descriptors += len(descriptors)
         self._phase = _Phase.CLAIM
+        return True
 
     def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
         st = self._current(source, _Phase.CLAIM)
@@ -238,6 +258,7 @@ class ConsumerPull:
             return self._fail(f"claim on P rank {source.p_rank} failed: {error}")
         if reply.status is ClaimStatus.GRANTED:
             st.lease = reply.lease
+            st.lease_token = reply.lease_token
             st.renew_at = now + reply.lease / 3
             self._phase = _Phase.READ
             if not st.batches:
@@ -278,6 +299,21 @@ class ConsumerPull:
             if st.source == source:
                 st.released = True
 
+    def on_release_failed(self, source: Source) -> None:
+        """P rank ``source`` did not answer a release: the instance's other ranks are not tried either (each would
+        cost another side-channel timeout, up to ``tp_size`` of them); P's hold timeout frees the blocks."""
+        self._give_up_releases()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._failure)
+
+    def time_left(self, now: float) -> float:
+        """Seconds the next action may take: what is left of the pull's budget, or of the releases' once failed or
+        done (a side-channel call is given no more)."""
+        end = self._release_deadline if self._phase is _Phase.RELEASE else self._deadline
+        return max(0.0, end - now)
+
     # ------------------------------------------------------------------ internals
 
     def _current(self, source: Source, phase: _Phase) -> _SourceState | None:
@@ -296,14 +332,19 @@ class ConsumerPull:
         self._failure = reason
         self._phase = _Phase.RELEASE
 
+    def _give_up_releases(self) -> None:
+        for st in self._sources:
+            st.released = True
+
     def _claim(self, source: Source) -> Claim:
         r = self.plan.remote
         return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers)
 
-    def _release(self, source: Source) -> Release:
-        r = self.plan.remote
+    def _release(self, st: _SourceState) -> Release:
+        r, source = self.plan.remote, st.source
         pulled = not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
-        return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, pulled)
+        return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, pulled,
+                       st.lease_token)
 
     def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
         """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
@@ -355,10 +396,28 @@ class ConsumerPull:
             out.lengths.extend(d.lengths)
         return out
 
-    def _incompatible(self, reg: RankRegistration) -> str:
+    def _incompatible(self, source: Source, reg: RankRegistration) -> str:
+        """Why this registration must not be used for this plan ("" if it may): it is checked against the params
+        (who P is) and against this D (what the KV holds) before it is cached or read."""
         r, local = self.plan.remote, self.local
+        if reg.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version: P speaks {reg.protocol_version}, D {PROTOCOL_VERSION} (same release on both)"
         if reg.engine_id != r.remote_engine_id:
             return f"its side channel answers for engine {reg.engine_id}, the params name engine {r.remote_engine_id}"
+        if r.remote_incarnation and reg.incarnation != r.remote_incarnation:
+            return (f"P restarted: the params are from incarnation {r.remote_incarnation}, its side channel serves "
+                    f"{reg.incarnation or 'none'}")
+        if reg.tp_rank != source.p_rank or reg.tp_size != r.tp_size:
+            return f"it is rank {reg.tp_rank} of {reg.tp_size}, the params name rank {source.p_rank} of {r.tp_size}"
+        segment_host = reg.segment.rpartition(":")[0].strip("[]")
+        if segment_host != r.remote_host.strip("[]"):
+            return (f"its Mooncake segment {reg.segment!r} is not on the params' host {r.remote_host!r}; D reads only "
+                    "from the host it was sent to")
+        if local.model_fingerprint and reg.model_fingerprint != local.model_fingerprint:
+            return (f"model: P serves fingerprint {reg.model_fingerprint or 'none'}, D {local.model_fingerprint} "
+                    "(the same model on both, vllm_kvp2p/identity.py)")
+        if reg.num_blocks <= max((b for ids in self.plan.remote_block_ids for b in ids), default=-1):
+            return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.tp_rank}"
         if len(reg.layer_names) != len(local.layer_names):
             return f"P has {len(reg.layer_names)} KV layers, D has {len(local.layer_names)}"
         if reg.dtype != local.dtype:

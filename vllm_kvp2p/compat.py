@@ -221,6 +221,18 @@ def data_parallel_index(parallel_config: Any) -> int:
     return int(index if index is not None else parallel_config.data_parallel_rank)
 
 
+def node_ip() -> str:
+    """This node's address as vLLM determines it: ``VLLM_HOST_IP``, else the source address of the route to a
+    public address (a UDP socket is connected, nothing is sent); "0.0.0.0" when there is none. Where the connector's
+    ``host`` is unset, peers are given this (KVP2PConfig.advertised_host). ``vllm.utils.network_utils.get_ip`` in
+    0.23 and 0.32; ``vllm.utils.get_ip`` in older releases."""
+    try:
+        from vllm.utils.network_utils import get_ip
+    except ImportError:
+        from vllm.utils import get_ip  # type: ignore[attr-defined,no-redef]
+    return str(get_ip())
+
+
 def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
     """KV-cache groups that take part in KV transfer: vLLM 0.32 lets a group opt out (``enable_kv_transfer``,
     ``KVCacheConfig.transfer_group_ids``); in 0.23 every group does."""

@@ -177,7 +177,8 @@ def test_refused_claim_fails_and_still_releases() -> None:
     job.on_registration(SRC, registration())
     job.next_action(0)
     job.on_claim_reply(SRC, ClaimReply(ClaimStatus.REFUSED, reason="blocks already expired"), now=0)
-    assert isinstance(job.next_action(0), SendRelease)
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease) and rel.message.lease_token == ""  # no lease: a plain notification
 
 
 def test_lease_is_renewed_during_long_reads() -> None:
@@ -185,14 +186,26 @@ def test_lease_is_renewed_during_long_reads() -> None:
     job.next_action(0)
     job.on_registration(SRC, registration())
     job.next_action(0)
-    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=3), now=0)  # renew at t=1
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=3, lease_token="tok"), now=0)  # renew at t=1
     action = job.next_action(0.5)
     assert isinstance(action, ReadBatch)
     job.on_batch_done(action.source, True)
     renew = job.next_action(1.2)
-    assert isinstance(renew, SendRenew)
-    job.on_renewed(renew.source, ClaimReply(ClaimStatus.GRANTED, lease=3), now=1.2)
+    assert isinstance(renew, SendRenew) and renew.message.lease_token == "tok"  # P refuses a renewal without it
+    job.on_renewed(renew.source, ClaimReply(ClaimStatus.GRANTED, lease=3, lease_token="tok"), now=1.2)
     assert isinstance(job.next_action(1.3), ReadBatch)
+
+
+def test_release_carries_the_lease_token_of_the_claim() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(SRC, registration())
+    job.next_action(0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, lease_token="tok"), now=0)
+    action = job.next_action(0)
+    job.on_batch_done(action.source, False, "boom")  # failed or not, the release must carry the token
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease) and rel.message.lease_token == "tok" and not rel.message.pulled
 
 
 def test_failed_read_fails_and_releases() -> None:

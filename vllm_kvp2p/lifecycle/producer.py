@@ -13,15 +13,36 @@
 * Requests are freed once every reader it was told to expect has released. A release that arrives before P has
   heard of the hold (D had nothing to pull and was quick) is remembered and applied when the hold arrives.
 * Nothing here raises on a protocol violation from a peer; it answers with a refusal or ignores, and says why.
+
+Bounds (the side channel is not authenticated, so every peer is a possible attacker; docs/security.md):
+
+* No hold pins its blocks past ``created + hold_timeout + lease_timeout`` (its ``pin_deadline``), whatever its
+  claims name and however often they are renewed: leases are granted only up to it, :meth:`ProducerLedger.expire`
+  frees the hold once it has passed.
+* A granted claim carries a lease token; renewing, and releasing while the lease is live, need it. So a peer
+  that only knows the request, hold and reader names cannot drop a live lease (P would free blocks a reader is
+  still reading). A second claim by a reader whose lease is live is refused: re-issuing the token would hand it
+  to whoever asked.
+* Early releases live in a small table for ``early_release_ttl``; a hold beyond ``max_holds`` is still kept (vLLM
+  already delayed its free) but reported; a hold has at most ``MAX_TP_SIZE`` distinct readers; peer ids longer
+  than ``MAX_ID_LENGTH`` (readers: a little more) are refused. Every refusal is counted in
+  :attr:`ProducerLedger.counters` and reported as a :class:`LedgerEvent` whose ``reason`` names the counter.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+import secrets
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus
+from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
+
+MAX_HOLDS = 65536
+MAX_EARLY_RELEASES = 4096
+EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read from within one P engine step
+MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 
 
 class HoldState(enum.Enum):
@@ -41,9 +62,18 @@ class _Hold:
     hold_id: str
     state: HoldState
     hold_deadline: float
+    pin_deadline: float  # hard: no lease runs past it
     expected_readers: int = 1
     leases: dict[str, float] = field(default_factory=dict)  # reader -> lease deadline
+    tokens: dict[str, str] = field(default_factory=dict)  # reader -> token of its (last) claim
     released_by: set[str] = field(default_factory=set)
+
+    def knows(self, reader: str) -> bool:
+        return reader in self.leases or reader in self.released_by
+
+    @property
+    def num_readers(self) -> int:
+        return len(self.released_by) + len(self.leases)  # a reader is in one or the other
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,7 @@ class LedgerEvent:
 
     request_id: str
     what: str
+    reason: str = ""  # the counter a refusal or a bound hit was counted under ("": an ordinary event)
 
 
 @dataclass(frozen=True)
@@ -65,16 +96,32 @@ class _EarlyRelease:
 class ProducerLedger:
     """Holds, claims and releases of one P worker."""
 
-    def __init__(self, hold_timeout: float, lease_timeout: float, tombstones: int = 65536) -> None:
+    def __init__(
+        self,
+        hold_timeout: float,
+        lease_timeout: float,
+        tombstones: int = 65536,
+        *,
+        max_holds: int = MAX_HOLDS,
+        max_early_releases: int = MAX_EARLY_RELEASES,
+        early_release_ttl: float = EARLY_RELEASE_TTL,
+        token_factory: Callable[[], str] = lambda: secrets.token_hex(16),
+    ) -> None:
         self.hold_timeout = hold_timeout
         self.lease_timeout = lease_timeout
+        self.max_holds = max_holds
+        self.max_early_releases = max_early_releases
+        self.early_release_ttl = min(early_release_ttl, hold_timeout)
+        self._token_factory = token_factory
         self._holds: dict[str, _Hold] = {}
+        # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
         self._early: dict[str, _EarlyRelease] = {}
         # Final states of recent holds, so a late claim is refused with the real reason.
         self._tombstones: OrderedDict[str, HoldState] = OrderedDict()
         self._tombstone_limit = tombstones
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
+        self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ queries
 
@@ -88,6 +135,16 @@ class ProducerLedger:
     def active(self) -> int:
         return len(self._holds)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in each table (for tests and metrics); ``readers_per_hold`` is the largest."""
+        return {
+            "holds": len(self._holds),
+            "early_releases": len(self._early),
+            "tombstones": len(self._tombstones),
+            "freed": len(self._freed),
+            "readers_per_hold": max((h.num_readers for h in self._holds.values()), default=0),
+        }
+
     # ------------------------------------------------------------------ events from vLLM
 
     def hold(self, request_id: str, hold_id: str, now: float) -> None:
@@ -95,7 +152,12 @@ class ProducerLedger:
         if request_id in self._holds or request_id in self._tombstones:
             self._event(request_id, "duplicate hold ignored")
             return
-        hold = _Hold(request_id, hold_id, HoldState.HELD, now + self.hold_timeout)
+        if len(self._holds) >= self.max_holds:
+            # vLLM already kept the blocks: dropping the hold would leak them. Keep it, say so.
+            self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
+                         f"{self.max_holds} (kept: vLLM already delayed the free)")
+        hold = _Hold(request_id, hold_id, HoldState.HELD, now + self.hold_timeout,
+                     now + self.hold_timeout + self.lease_timeout)
         self._holds[request_id] = hold
         early = self._early.pop(request_id, None)
         if early is not None and early.hold_id == hold_id:
@@ -106,6 +168,9 @@ class ProducerLedger:
     # ------------------------------------------------------------------ events from decoders
 
     def claim(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> ClaimReply:
+        bad = self._bad_ids(request_id, hold_id, reader)
+        if bad:
+            return ClaimReply(ClaimStatus.REFUSED, reason=bad)
         hold = self._holds.get(request_id)
         if hold is None:
             final = self._tombstones.get(request_id)
@@ -118,31 +183,71 @@ class ProducerLedger:
             return ClaimReply(ClaimStatus.REFUSED, reason="hold id does not match (stale transfer params)")
         if reader in hold.released_by:
             return ClaimReply(ClaimStatus.REFUSED, reason="reader already released this hold")
-        hold.expected_readers = max(hold.expected_readers, expected_readers)
-        hold.leases[reader] = now + self.lease_timeout
+        if reader in hold.leases:
+            # A retry after a lost reply, or someone else naming this reader: either way the token stays secret.
+            self._refuse(request_id, "claim_refused_live_lease", f"second claim by {reader} refused: its lease "
+                         "is live")
+            return ClaimReply(ClaimStatus.REFUSED, reason="reader already holds a lease on this hold")
+        if hold.num_readers >= MAX_TP_SIZE:
+            self._refuse(request_id, "readers_per_hold_full", f"claim by {reader} refused: {MAX_TP_SIZE} readers")
+            return ClaimReply(ClaimStatus.REFUSED, reason=f"hold already has {MAX_TP_SIZE} readers")
+        until = min(now + self.lease_timeout, hold.pin_deadline)
+        if until <= now:
+            self._refuse(request_id, "claim_past_deadline", f"claim by {reader} refused: past the hold's hard "
+                         "deadline")
+            return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
+        hold.expected_readers = max(hold.expected_readers, self._readers(request_id, expected_readers))
+        token = self._token_factory()
+        hold.leases[reader] = until
+        hold.tokens[reader] = token
         hold.state = HoldState.CLAIMED
-        return ClaimReply(ClaimStatus.GRANTED, lease=self.lease_timeout)
+        return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=token)
 
-    def renew(self, request_id: str, hold_id: str, reader: str, now: float) -> ClaimReply:
+    def renew(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str = "") -> ClaimReply:
+        bad = self._bad_ids(request_id, hold_id, reader)
+        if bad:
+            return ClaimReply(ClaimStatus.REFUSED, reason=bad)
         hold = self._holds.get(request_id)
         if hold is None or hold.hold_id != hold_id or reader not in hold.leases:
             return ClaimReply(ClaimStatus.REFUSED, reason="no live claim to renew")
-        hold.leases[reader] = now + self.lease_timeout
-        return ClaimReply(ClaimStatus.GRANTED, lease=self.lease_timeout)
+        if not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
+            self._refuse(request_id, "renew_refused", f"renewal for {reader} refused: wrong lease token")
+            return ClaimReply(ClaimStatus.REFUSED, reason="lease token does not match the claim")
+        until = min(now + self.lease_timeout, hold.pin_deadline)
+        if hold.leases[reader] >= hold.pin_deadline or until <= now:
+            # Nothing left to extend: the reader stops now, before P frees the blocks at the deadline.
+            self._refuse(request_id, "renew_past_deadline", f"renewal for {reader} refused: blocks pinned for "
+                         f"hold_timeout + lease_timeout = {self.hold_timeout + self.lease_timeout:g}s")
+            return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
+        if until == hold.pin_deadline:
+            self.counters["lease_cut_to_deadline"] += 1
+        hold.leases[reader] = until
+        return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease_token)
 
-    def release(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
+    def release(
+        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = ""
+    ) -> None:
+        bad = self._bad_ids(request_id, hold_id, reader)
+        if bad:
+            return
+        expected_readers = self._readers(request_id, expected_readers)
         hold = self._holds.get(request_id)
         if hold is None:
             final = self._tombstones.get(request_id)
             if final is not None:
                 self._event(request_id, f"release by {reader} ignored: hold already {final.value}")
                 return
-            prev = self._early.get(request_id)
-            readers = (prev.readers if prev and prev.hold_id == hold_id else frozenset()) | {reader}
-            self._early[request_id] = _EarlyRelease(hold_id, readers, expected_readers, now + self.hold_timeout)
+            self._remember_early(request_id, hold_id, reader, expected_readers, now)
             return
         if hold.hold_id != hold_id:
             self._event(request_id, f"release by {reader} ignored: stale hold id")
+            return
+        if reader in hold.leases and not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
+            self._refuse(request_id, "release_without_token", f"release by {reader} ignored: its lease is live "
+                         "and the release does not carry its token")
+            return
+        if not hold.knows(reader) and hold.num_readers >= MAX_TP_SIZE:
+            self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             return
         hold.expected_readers = max(hold.expected_readers, expected_readers)
         hold.leases.pop(reader, None)
@@ -152,8 +257,15 @@ class ProducerLedger:
     # ------------------------------------------------------------------ time
 
     def expire(self, now: float) -> None:
-        """Free holds nobody claimed in time and claims nobody renewed in time."""
+        """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline."""
         for hold in list(self._holds.values()):
+            if hold.pin_deadline <= now and any(t >= hold.pin_deadline for t in hold.leases.values()):
+                # Leases are granted only up to the hard deadline, so all have lapsed by now; say why.
+                self.counters["hold_capped"] += 1
+                hold.leases.clear()
+                self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
+                             f"{self.hold_timeout + self.lease_timeout:g}s, the most a hold may be", "hold_capped")
+                continue
             lapsed = sorted(r for r, t in hold.leases.items() if t <= now)
             for reader in lapsed:
                 del hold.leases[reader]
@@ -180,18 +292,56 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ internals
 
+    def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
+        prev = self._early.pop(request_id, None)
+        if prev is None and len(self._early) >= self.max_early_releases:
+            while self._early:  # oldest first: drop what has expired
+                oldest = next(iter(self._early))
+                if self._early[oldest].until > now:
+                    break
+                del self._early[oldest]
+        if prev is None and len(self._early) >= self.max_early_releases:
+            self._refuse(request_id, "early_release_table_full", f"release by {reader} before the hold not kept: "
+                         f"{self.max_early_releases} early releases already waiting (the hold then waits for "
+                         "hold_timeout)")
+            return
+        readers = (prev.readers if prev and prev.hold_id == hold_id else frozenset()) | {reader}
+        if len(readers) > MAX_TP_SIZE and prev is not None:
+            self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
+            readers = prev.readers
+        # Re-inserted at the end: the table stays ordered by expiry.
+        self._early[request_id] = _EarlyRelease(hold_id, readers, expected_readers, now + self.early_release_ttl)
+
+    def _readers(self, request_id: str, expected_readers: int) -> int:
+        if expected_readers > MAX_TP_SIZE:
+            self._refuse(request_id, "expected_readers_capped", f"expected_readers={expected_readers} capped at "
+                         f"{MAX_TP_SIZE}")
+            return MAX_TP_SIZE
+        return max(1, expected_readers)
+
+    def _bad_ids(self, request_id: str, hold_id: str, reader: str) -> str:
+        if len(request_id) > MAX_ID_LENGTH or len(hold_id) > MAX_ID_LENGTH or len(reader) > MAX_READER_LENGTH:
+            self._refuse(request_id[:MAX_ID_LENGTH], "id_too_long", f"message with an id of more than "
+                         f"{MAX_ID_LENGTH} characters ignored")
+            return f"ids have at most {MAX_ID_LENGTH} characters"
+        return ""
+
     def _maybe_release(self, hold: _Hold, why: str) -> None:
         if len(hold.released_by) >= hold.expected_readers and not hold.leases:
             self._finish(hold, HoldState.RELEASED, why)
 
-    def _finish(self, hold: _Hold, state: HoldState, why: str) -> None:
+    def _finish(self, hold: _Hold, state: HoldState, why: str, reason: str = "") -> None:
         del self._holds[hold.request_id]
         hold.state = state
         self._tombstones[hold.request_id] = state
         while len(self._tombstones) > self._tombstone_limit:
             self._tombstones.popitem(last=False)
         self._freed.append(hold.request_id)
-        self._event(hold.request_id, f"{state.value}: {why}")
+        self._event(hold.request_id, f"{state.value}: {why}", reason)
 
-    def _event(self, request_id: str, what: str) -> None:
-        self.events.append(LedgerEvent(request_id, what))
+    def _refuse(self, request_id: str, reason: str, what: str) -> None:
+        self.counters[reason] += 1
+        self._event(request_id, what, reason)
+
+    def _event(self, request_id: str, what: str, reason: str = "") -> None:
+        self.events.append(LedgerEvent(request_id, what, reason))

@@ -107,7 +107,8 @@ class HoldService:
                     return Registration(self.registration)
                 if isinstance(message, Claim):
                     return self.ledger.claim(
-                        message.request_id, message.hold_id, message.reader, message.expected_readers, now
+                        message.request_id, message.hold_id, message.reader, message.expected_readers, now,
+                        message.claim_id,
                     )
                 if isinstance(message, Renew):
                     return self.ledger.renew(

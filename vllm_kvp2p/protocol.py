@@ -175,6 +175,9 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
     hold_id: str
     reader: str  # "<D engine id>:<D tp rank>"
     expected_readers: int  # how many D readers will claim this hold on this P rank
+    # Random per pull, known only to D and P: a claim resent after a lost reply (same id) gets the same lease
+    # back; anyone else naming this reader does not.
+    claim_id: str = ""
 
 
 class Renew(msgspec.Struct, frozen=True, tag="renew"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -172,7 +173,7 @@ class PullLoop:
         job = ConsumerPull(
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
-            timeout=self.pull_timeout, release_timeout=self.side_channel_timeout,
+            timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
@@ -199,6 +200,10 @@ class PullLoop:
         elif isinstance(action, FetchRegistration):
             endpoint = (host, base_port + action.source.p_rank)
             cached = self._registrations.get(endpoint)
+            r = plan.remote
+            if cached is not None and (cached.engine_id, cached.incarnation) != (r.remote_engine_id,
+                                                                                r.remote_incarnation):
+                cached = None  # P restarted at this endpoint (or the params are not from it): fetch and check
             reg, err = (cached, "") if cached is not None else self._fetch_registration(client, job, endpoint,
                                                                                           action.source)
             if job.on_registration(action.source, reg, err) and reg is not None:

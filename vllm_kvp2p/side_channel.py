@@ -128,9 +128,10 @@ class SideChannelServer:
 class SideChannelClient:
     """Blocking request/reply to P workers, one cached REQ socket per endpoint. Not thread-safe: one per thread.
 
-    Every request is idempotent (a repeated claim refreshes the same lease, a repeated release is ignored), so a
-    request that gets no answer is sent again on a fresh socket, up to ``attempts`` times within ``timeout``: a
-    message stuck on a dead connection then costs a fraction of the budget instead of the whole transfer.
+    Every request is idempotent (a repeated claim with the same claim id gets the same lease back, a repeated
+    release is ignored), so a request that gets no answer is sent again on a fresh socket, up to ``attempts`` times
+    within ``timeout``: a message stuck on a dead connection then costs a fraction of the budget instead of the
+    whole transfer.
     """
 
     def __init__(self, timeout: float, attempts: int = 3, *, auth: Authenticator | None = None) -> None:

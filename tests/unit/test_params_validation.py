@@ -3,12 +3,13 @@ params that fail a check end the request without any network call (no claim, no 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
-from vllm_kvp2p.lifecycle.pull import ConsumerPull, Finish, LocalKV, Source
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.tp_mapping import Layout, rank_plan
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, Finish, LocalKV, SendClaim, SendRelease, Source
+from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
+from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -83,3 +84,94 @@ def test_without_the_check_one_request_would_make_d_release_every_rank_it_names(
     """What the tp_size bound prevents: D derives the P ranks to release from the params' tp_size alone."""
     mapping = rank_plan(Layout(100_000, 8, False), Layout(1, 8, False), 0)
     assert len(mapping.p_ranks) == 100_000  # one side-channel round trip (up to its timeout) each
+
+
+# --------------------------------------------------------------------------- at pull time
+
+SHAPE = BlockShape(True, 2, BS, 16)
+LOCAL = LocalKV((PlaneGeometry(1 << 20, 512, 512, 100),), (SHAPE,), BS, ("l0",), "float32", 2,
+                model_fingerprint="model-a")
+
+
+def registration(**change: object) -> RankRegistration:
+    reg = RankRegistration("P", 0, 1, "10.0.0.7:16001", [PlaneGeometry(1 << 30, 512, 512, 100)], [SHAPE], ["l0"],
+                           BS, 100, "float32", 2, 2, 16, incarnation="inc1", model_fingerprint="model-a")
+    return msgspec.structs.replace(reg, **change)
+
+
+def pull(**params: object) -> ConsumerPull:
+    remote = RemotePrefill.from_params(good(remote_incarnation="inc1", **params))
+    ids = tuple(remote.remote_block_ids[0])
+    plan = PullPlan("d1", remote, ((1, 2, 3, 4),), (ids,), awaiting=True)
+    job = ConsumerPull(plan, [Source(0, 1, (HeadSlice(0, 0, 0, 2),))], "d:0", LOCAL, claim_wait=1.0,
+                       max_batch_entries=64, now=0.0)
+    assert isinstance(job.next_action(0.0), FetchRegistration)
+    return job
+
+
+@pytest.mark.parametrize(("change", "params", "reason"), [
+    ({}, {}, ""),
+    ({"protocol_version": 2}, {}, "protocol version: P speaks 2"),
+    ({"engine_id": "Q"}, {}, "answers for engine Q, the params name engine P"),
+    ({"incarnation": "inc0"}, {}, "P restarted: the params are from incarnation inc1, its side channel serves inc0"),
+    ({"tp_size": 2}, {}, "it is rank 0 of 2, the params name rank 0 of 1"),
+    ({"segment": "10.6.6.6:16001"}, {}, "Mooncake segment '10.6.6.6:16001' is not on the params' host"),
+    ({"model_fingerprint": "model-b"}, {}, "model: P serves fingerprint model-b, D model-a"),
+    ({}, {"remote_block_ids": [[10, 11, 12, 100]]}, "the params name blocks beyond the 100 blocks of P rank 0"),
+])
+def test_a_registration_is_checked_against_the_params_and_this_d(change: dict, params: dict, reason: str) -> None:
+    job = pull(**params)
+    source = Source(0, 1, (HeadSlice(0, 0, 0, 2),))
+    accepted = job.on_registration(source, registration(**change))
+    assert accepted is (not reason)  # only an accepted registration may be cached
+    if reason:
+        assert job.failed and reason in job._failure
+
+
+def test_an_unanswered_release_stops_the_releases_to_that_p() -> None:
+    """Addressable params naming 1024 ranks of a P that does not answer: one release times out, the other 1023
+    are not tried (each would wait for the side-channel timeout)."""
+    plan = ConsumerSchedule(BS).on_finished("d1", good(tp_size=1024), PROMPT)
+    assert plan is not None and plan.contact_p
+    job = ConsumerPull(plan, [Source(r) for r in range(1024)], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=64,
+                       now=0.0)
+    sent = 0
+    for _ in range(2000):
+        action = job.next_action(0.0)
+        if isinstance(action, Finish):
+            break
+        sent += 1
+        job.on_release_failed(action.source)
+    assert sent == 1
+    # Without the rule every rank would be tried: releases that are answered go on to the next rank.
+    answered = ConsumerPull(plan, [Source(r) for r in range(1024)], "d:0", LOCAL, claim_wait=1.0,
+                            max_batch_entries=64, now=0.0)
+    count = 0
+    while not isinstance(action := answered.next_action(0.0), Finish):
+        answered.on_release_sent(action.source)
+        count += 1
+    assert count == 1024
+
+
+def test_one_deadline_bounds_the_whole_pull_and_its_releases() -> None:
+    """P keeps answering "not yet" (or a client's params keep D busy): at pull_timeout the pull fails; the
+    releases then get side_channel_timeout more, and past that none is sent."""
+    remote = RemotePrefill.from_params(good(tp_size=4))
+    plan = PullPlan("d1", remote, ((1, 2, 3, 4),), ((10, 11, 12, 13),), awaiting=True)
+    sources = [Source(0, 1, (HeadSlice(0, 0, 0, 2),))] + [Source(r) for r in (1, 2, 3)]
+    job = ConsumerPull(plan, sources, "d:0", LOCAL, claim_wait=1e9, max_batch_entries=64, now=0.0, timeout=20.0,
+                       release_timeout=5.0)
+    assert job.time_left(3.0) == 17.0
+    t = 0.0
+    job.next_action(t)
+    assert job.on_registration(sources[0], registration(incarnation="", tp_size=4))
+    while t < 20.0:  # P answers every claim with "unknown hold": D would retry until claim_wait
+        action = job.next_action(t)
+        if isinstance(action, SendClaim):
+            job.on_claim_reply(sources[0], ClaimReply(ClaimStatus.UNKNOWN), t)
+        t += 0.5
+    action = job.next_action(20.0)
+    assert isinstance(action, SendRelease) and "pull_timeout=20s" in job._failure
+    assert job.time_left(21.0) == 4.0  # the releases' own budget
+    job.on_release_sent(action.source)
+    assert isinstance(job.next_action(26.0), Finish)  # past it: the other ranks' releases are not sent

@@ -284,3 +284,16 @@ def test_readers_per_hold_and_id_lengths_are_bounded() -> None:
     assert lg.renew("r1", "h", huge, now=1).status is ClaimStatus.REFUSED
     assert lg.table_sizes()["early_releases"] == 0 and lg.counters["id_too_long"] == 5
     assert all(len(e.request_id) <= 256 and len(e.what) < 1000 for e in lg.take_events())
+
+
+def test_a_claim_resent_after_a_lost_reply_gets_the_same_lease_back() -> None:
+    """The side-channel client resends a claim whose reply did not arrive; P granted the first. The same claim id
+    (random per pull, known only to D and P) gets the same token; anyone else naming the reader does not."""
+    ledger = ProducerLedger(hold_timeout=10, lease_timeout=5)
+    ledger.hold("r", "h", 0.0)
+    first = ledger.claim("r", "h", "d:0", 1, 1.0, claim_id="c1")
+    again = ledger.claim("r", "h", "d:0", 1, 2.0, claim_id="c1")
+    assert again.status is ClaimStatus.GRANTED and again.lease_token == first.lease_token
+    other = ledger.claim("r", "h", "d:0", 1, 2.0, claim_id="guess")
+    assert other.status is ClaimStatus.REFUSED and not other.lease_token
+    assert ledger.claim("r", "h", "d:0", 1, 2.0).status is ClaimStatus.REFUSED  # no claim id: refused as before

@@ -66,6 +66,7 @@ class _Hold:
     expected_readers: int = 1
     leases: dict[str, float] = field(default_factory=dict)  # reader -> lease deadline
     tokens: dict[str, str] = field(default_factory=dict)  # reader -> token of its (last) claim
+    claim_ids: dict[str, str] = field(default_factory=dict)  # reader -> the claim id D chose for it
     released_by: set[str] = field(default_factory=set)
 
     def knows(self, reader: str) -> bool:
@@ -167,7 +168,9 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ events from decoders
 
-    def claim(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> ClaimReply:
+    def claim(
+        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, claim_id: str = ""
+    ) -> ClaimReply:
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
             return ClaimReply(ClaimStatus.REFUSED, reason=bad)
@@ -183,8 +186,14 @@ class ProducerLedger:
             return ClaimReply(ClaimStatus.REFUSED, reason="hold id does not match (stale transfer params)")
         if reader in hold.released_by:
             return ClaimReply(ClaimStatus.REFUSED, reason="reader already released this hold")
+        if reader in hold.leases and claim_id and secrets.compare_digest(
+                claim_id.encode(), hold.claim_ids.get(reader, "").encode()):
+            # The same claim resent (its reply was lost): the same lease, refreshed up to the hard deadline.
+            until = min(now + self.lease_timeout, hold.pin_deadline)
+            hold.leases[reader] = max(hold.leases[reader], until)
+            return ClaimReply(ClaimStatus.GRANTED, lease=hold.leases[reader] - now, lease_token=hold.tokens[reader])
         if reader in hold.leases:
-            # A retry after a lost reply, or someone else naming this reader: either way the token stays secret.
+            # Someone else naming this reader (another claim id): the token stays secret.
             self._refuse(request_id, "claim_refused_live_lease", f"second claim by {reader} refused: its lease "
                          "is live")
             return ClaimReply(ClaimStatus.REFUSED, reason="reader already holds a lease on this hold")
@@ -200,6 +209,7 @@ class ProducerLedger:
         token = self._token_factory()
         hold.leases[reader] = until
         hold.tokens[reader] = token
+        hold.claim_ids[reader] = claim_id[:MAX_ID_LENGTH]
         hold.state = HoldState.CLAIMED
         return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=token)
 

@@ -164,11 +164,14 @@ class ConsumerPull:
         now: float,
         timeout: float = float("inf"),
         release_timeout: float = float("inf"),
+        claim_id: str = "",
     ) -> None:
         """``timeout``: the whole pull's budget (every round trip and read, from ``now``); past it the pull fails.
         ``release_timeout``: after that, how long the releases may take; past it the remaining ones are not sent
-        (P's hold timeout frees the blocks)."""
+        (P's hold timeout frees the blocks). ``claim_id``: random per pull (the caller draws it), so that a claim
+        resent after a lost reply gets the same lease back."""
         self.plan = plan
+        self.claim_id = claim_id
         self.reader = reader
         self.local = local
         self.claim_wait = claim_wait
@@ -338,7 +341,7 @@ class ConsumerPull:
 
     def _claim(self, source: Source) -> Claim:
         r = self.plan.remote
-        return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers)
+        return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, self.claim_id)
 
     def _release(self, st: _SourceState) -> Release:
         r, source = self.plan.remote, st.source

@@ -1,0 +1,183 @@
+"""The shared secret (vllm_kvp2p/auth.py, config): signed params and sealed side-channel frames. Pure, no I/O.
+Every refusal is paired with the same input passing without the defence, so each check can fail."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_kvp2p.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
+from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
+from vllm_kvp2p.protocol import RemotePrefill
+
+SECRET = b"0123456789abcdef-test-secret"
+NOW = 1_800_000_000_000  # ms
+BS = 16
+PROMPT = 60
+
+
+def auth(secret: bytes = SECRET, skew: float = 30.0) -> Authenticator:
+    return Authenticator(secret, skew)
+
+
+def issued(expires_ms: int = NOW + 120_000) -> RemotePrefill:
+    remote = RemotePrefill("P", "p-req", "10.0.0.7", 20000, [[10, 11, 12, 13]], "hold", PROMPT, BS,
+                           remote_incarnation="inc1")
+    return auth().sign_params(remote, expires_ms)
+
+
+def test_signed_params_survive_the_json_round_trip_through_proxies() -> None:
+    import json
+
+    params = json.loads(json.dumps(issued().to_params()))
+    remote = RemotePrefill.from_params(params)
+    assert remote is not None and auth().params_problem(remote, NOW) == ""
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"remote_host": "10.6.6.6"}, "signature does not match"),
+    ({"remote_port": 20001}, "signature does not match"),
+    ({"remote_block_ids": [[10, 11, 12, 14]]}, "signature does not match"),
+    ({"remote_num_tokens": 59}, "signature does not match"),
+    ({"tp_size": 2}, "signature does not match"),
+    ({"remote_incarnation": "inc2"}, "signature does not match"),
+    ({"expires_ms": NOW + 10**9}, "signature does not match"),
+    ({"mac": ""}, "not signed"),
+])
+def test_any_change_to_signed_params_is_refused(change: dict, expected: str) -> None:
+    tampered = RemotePrefill.from_params({**issued().to_params(), **change})
+    assert tampered is not None
+    assert expected in auth().params_problem(tampered, NOW)
+    # Without the defence D would use them: they are valid params in every other respect.
+    assert tampered.problem(PROMPT) == ""
+
+
+def test_params_expire_after_their_expiry_plus_the_clock_skew() -> None:
+    remote = issued(expires_ms=NOW)
+    assert auth(skew=5).params_problem(remote, NOW + 5_000) == ""
+    assert "expired 10.0 s ago" in auth(skew=5).params_problem(remote, NOW + 10_000)
+
+
+def test_params_signed_with_another_secret_are_refused() -> None:
+    other = Authenticator(b"another-secret-of-enough-bytes", 30).sign_params(issued(), NOW + 1000)
+    assert "signature does not match" in auth().params_problem(other, NOW)
+
+
+def test_unauthenticated_params_make_d_contact_no_one() -> None:
+    forged = {**issued().to_params(), "remote_host": "10.6.6.6"}
+    a = auth()
+    schedule = ConsumerSchedule(BS, authenticate=lambda r: a.params_problem(r, NOW))
+    assert schedule.matched_tokens("d1", forged, PROMPT, 0) == (PROMPT - 1, True)  # vLLM's policy ends it
+    plan = schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert plan is not None and not plan.contact_p and plan.error.startswith("unauthenticated kv_transfer_params")
+    assert schedule.on_finished("d2", forged, PROMPT) is None  # no release to the forged address either
+    # Without the defence the same params plan a pull from 10.6.6.6.
+    open_schedule = ConsumerSchedule(BS)
+    open_plan = open_schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert open_plan is not None and open_plan.contact_p and not open_plan.error
+
+
+# --------------------------------------------------------------------------- side-channel frames
+
+
+def test_a_sealed_request_opens_once() -> None:
+    a, guard = auth(), ReplayGuard(60_000)
+    frame, nonce = a.seal_request(b"body", NOW)
+    assert a.open_request(frame, NOW + 10, guard) == (b"body", nonce)
+    with pytest.raises(AuthError, match="replayed nonce"):
+        a.open_request(frame, NOW + 20, guard)
+
+
+@pytest.mark.parametrize("how", ["plain", "other-secret", "changed-body", "stale", "future", "reply-as-request",
+                                 "garbage"])
+def test_frames_that_must_not_open(how: str) -> None:
+    a, guard = auth(skew=5), ReplayGuard(10_000)
+    frame, _ = a.seal_request(b"body", NOW)
+    sealed = msgspec.msgpack.decode(frame, type=Sealed)
+    frames = {
+        "plain": b"\x81\xa4type\xa7release",
+        "other-secret": Authenticator(b"another-secret-of-enough-bytes", 5).seal_request(b"body", NOW)[0],
+        "changed-body": msgspec.msgpack.encode(msgspec.structs.replace(sealed, body=b"bodz")),
+        "stale": a.seal_request(b"body", NOW - 6_000)[0],
+        "future": a.seal_request(b"body", NOW + 6_000)[0],
+        "reply-as-request": a.seal_reply(b"body", b"", NOW),
+        "garbage": b"\xff" * 64,
+    }
+    with pytest.raises(AuthError):
+        a.open_request(frames[how], NOW, guard)
+    assert len(guard) == 0  # nothing remembered for a frame that did not open
+
+
+def test_a_reply_is_bound_to_its_request() -> None:
+    a = auth()
+    _, nonce1 = a.seal_request(b"q1", NOW)
+    _, nonce2 = a.seal_request(b"q2", NOW)
+    reply = a.seal_reply(b"answer", nonce1, NOW)
+    assert a.open_reply(reply, nonce1, NOW) == b"answer"
+    with pytest.raises(AuthError, match="bad MAC"):
+        a.open_reply(reply, nonce2, NOW)  # an old reply replayed to a later request
+
+
+def test_replay_guard_is_bounded_and_never_forgets_into_a_replay() -> None:
+    guard = ReplayGuard(window_ms=60_000, capacity=100)
+    nonces = [i.to_bytes(16, "big") for i in range(300)]
+    for i, n in enumerate(nonces):
+        assert guard.check_and_remember(n, NOW + i, NOW + i) == ""
+    assert len(guard) == 100
+    # The first 200 were forgotten while inside the window: they (and anything as old) are refused, not replayed.
+    assert guard.check_and_remember(nonces[0], NOW, NOW + 300) != ""
+    assert guard.check_and_remember(nonces[299], NOW + 299, NOW + 300) == "replayed nonce"
+    assert guard.check_and_remember(b"n" * 16, NOW + 300, NOW + 300) == ""
+    # Old entries leave once they are out of the window.
+    assert guard.check_and_remember(b"m" * 16, NOW + 100_000, NOW + 100_000) == ""
+    assert len(guard) == 1
+    assert MAX_NONCES >= 1 << 16
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_secret_from_the_environment_or_a_file(tmp_path) -> None:
+    assert KVP2PConfig.from_sources({}, {}).secret == b""
+    assert KVP2PConfig.from_sources({}, {"VLLM_KVP2P_SECRET": " s3cret-of-16-bytes \n"}).secret == b"s3cret-of-16-bytes"
+    path = tmp_path / "secret"
+    path.write_bytes(b"from-a-file-0123456789\n")
+    assert KVP2PConfig.from_sources({"secret_file": str(path)}, {}).secret == b"from-a-file-0123456789"
+    assert KVP2PConfig.from_sources({}, {"VLLM_KVP2P_SECRET_FILE": str(path)}).secret == b"from-a-file-0123456789"
+
+
+def test_the_secret_is_never_in_the_config_repr_or_the_extra_config(tmp_path) -> None:
+    config = KVP2PConfig.from_sources({}, {"VLLM_KVP2P_SECRET": "do-not-log-this-value"})
+    assert "do-not-log-this-value" not in repr(config)
+    with pytest.raises(ConfigError, match="must not hold the secret"):
+        KVP2PConfig.from_sources({"secret": "on-the-command-line"}, {})
+
+
+@pytest.mark.parametrize(("extra", "env", "message"), [
+    ({}, {"VLLM_KVP2P_SECRET": "short"}, "VLLM_KVP2P_SECRET: the secret has 5 bytes, at least 16"),
+    ({"secret_file": "/nonexistent/kvp2p-secret"}, {}, "secret_file='/nonexistent/kvp2p-secret': cannot read it"),
+    ({"secret_file": "/etc/hostname"}, {"VLLM_KVP2P_SECRET": "x" * 20}, "both VLLM_KVP2P_SECRET and secret_file"),
+    ({"clock_skew": 0}, {}, "clock_skew=0.0"),
+    ({"pull_timeout": 1, "side_channel_timeout": 5}, {}, "pull_timeout=1.0: allowed values are >= side_channel"),
+    ({"peer_ports": "20000"}, {}, "peer_ports='20000': expected LOW-HIGH"),
+    ({"peer_ports": "30000-20000"}, {}, "peer_ports='30000-20000'"),
+])
+def test_bad_security_settings_are_named(extra: dict, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVP2PConfig.from_sources(extra, env)
+    assert message in str(info.value)
+
+
+def test_peer_ports_bound_what_params_may_name() -> None:
+    config = KVP2PConfig.from_sources({"peer_ports": "14600-14700"}, {})
+    ranges = config.peer_port_ranges()
+    params = {**issued().to_params(), "remote_port": 14690, "tp_size": 8}
+    remote = RemotePrefill.from_params(params)
+    assert "ports 14690..14697 not inside the allowed side-channel ports (14600..14696" in remote.address_problem(
+        ((14600, 14696),))
+    assert remote.address_problem(ranges) == ""
+    # The default: every port a side channel may use, never Mooncake's RPC range.
+    default = KVP2PConfig().peer_port_ranges()
+    assert RemotePrefill.from_params({**params, "remote_port": 15500}).address_problem(default)
+    assert RemotePrefill.from_params({**params, "remote_port": 80}).address_problem(default)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.ports import free_port
+from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
@@ -44,7 +45,9 @@ def _local(kv: dict[str, torch.Tensor], num_blocks: int) -> tuple[LocalKV, list]
 
 
 class Pair:
-    def __init__(self, hold_timeout: float = 30.0, lease_timeout: float = 30.0) -> None:
+    def __init__(self, hold_timeout: float = 30.0, lease_timeout: float = 30.0, auth: Authenticator | None = None,
+                 d_auth: Authenticator | None = None) -> None:
+        """``auth``: P's shared-secret authenticator (and D's, unless ``d_auth`` gives D another)."""
         self.p_kv, self.d_kv = _kv(P_BLOCKS, 1), _kv(D_BLOCKS, 2)
         p_planes, p_shapes, p_regions = _planes(self.p_kv, P_BLOCKS)
         d_local, d_regions = _local(self.d_kv, D_BLOCKS)
@@ -56,9 +59,10 @@ class Pair:
         self.engine_id = "p-" + uuid.uuid4().hex[:6]
         reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, p_shapes, list(self.p_kv),
                                BLOCK, P_BLOCKS, "float32", HEADS, HEADS, HEAD)
-        self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=hold_timeout, lease_timeout=lease_timeout)
+        self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=hold_timeout, lease_timeout=lease_timeout,
+                                 auth=auth)
         self.pulls = PullLoop(self.d_engine, reader="d:0", tp_size=1, tp_rank=0, local=d_local,
-                              side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4)
+                              side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4, auth=d_auth or auth)
 
     def plan(self, request_id: str, remote_ids: list[int], local_ids: list[int], hold_id: str = "h1",
              awaiting: bool = True) -> PullPlan:

@@ -1,7 +1,8 @@
 """``vllm-kvp2p-demo``: the main job on one machine.
 
 Makes a tiny Llama-architecture model locally (no model hub needed), starts a prefill and a decode ``vllm serve``
-with ``MooncakeP2PConnector`` and the P/D proxy on 127.0.0.1, sends a few prompts through the proxy, prints each
+with ``MooncakeP2PConnector`` and the P/D proxy on 127.0.0.1 (both engines with ``VLLM_KVP2P_HOST=127.0.0.1``,
+set by :class:`~vllm_kvp2p.testing.server.VllmServer`), sends a few prompts through the proxy, prints each
 answer with what D pulled from P (blocks, bytes, time), checks P is back to holding no KV blocks, and shuts
 everything down.
 """

@@ -114,7 +114,8 @@ def make_vllm_config(
         kv_connector_module_path="vllm_kvp2p.connector",
         kv_role=role,
         kv_load_failure_policy=kv_load_failure_policy,
-        kv_connector_extra_config=dict(extra_config or {}),
+        # One machine: P's params name loopback (the connector's default is this node's address).
+        kv_connector_extra_config={"host": "127.0.0.1", **(extra_config or {})},
         **({"engine_id": engine_id} if engine_id else {}),
     )
     return VllmConfig(

@@ -22,7 +22,7 @@ def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size
     # a dense model's DP ranks run as independent engines whose data_parallel_rank is reset to 0.
     vllm_config.parallel_config.data_parallel_index = dp_rank
     vllm_config.parallel_config.data_parallel_rank = dp_rank if moe else 0
-    config = KVP2PConfig.from_sources({"side_channel_port": 20000}, env={})
+    config = KVP2PConfig.from_sources({"side_channel_port": 20000, "host": "127.0.0.1"}, env={})
     side = SchedulerSide(vllm_config, f"engine_dp{dp_rank}", config, make_kv_cache_config(16, 100))
     assert side.side_channel_port == 20000 + dp_rank * tp_size
     worker_ports = {config.side_channel_port_for(dp_rank, tp_size, r) for r in range(tp_size)}
@@ -36,6 +36,7 @@ def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size
     remote = RemotePrefill.from_params(params)
     assert delay and remote is not None
     assert remote.tp_size == tp_size and remote.remote_port == side.side_channel_port
+    assert remote.remote_host == "127.0.0.1"
 
 
 def test_ports_of_all_ranks_of_two_dp_instances_never_collide() -> None:

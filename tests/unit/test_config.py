@@ -9,7 +9,7 @@ from vllm_kvp2p.config import ConfigError, KVP2PConfig
 
 def test_defaults_need_no_settings() -> None:
     c = KVP2PConfig.from_sources({}, env={})
-    assert c.host == "127.0.0.1" and c.max_batch_entries == 1024 and c.protocol == ""
+    assert c.host == "" and c.bind_host == "" and c.max_batch_entries == 1024 and c.protocol == ""
 
 
 def test_env_then_extra_config_precedence() -> None:
@@ -42,3 +42,48 @@ def test_ports_differ_per_dp_and_tp_rank() -> None:
     c = KVP2PConfig.from_sources({"side_channel_port": 20000}, {})
     ports = {c.side_channel_port_for(dp, 4, tp) for dp in range(2) for tp in range(4)}
     assert ports == set(range(20000, 20008))
+
+
+# ------------------------------------------------------------------ bind and advertise
+
+def test_unset_host_advertises_the_detected_address_and_binds_it() -> None:
+    c = KVP2PConfig.from_sources({}, env={})
+    host = c.advertised_host(lambda: "10.1.2.3")
+    assert host == "10.1.2.3" and c.side_channel_bind_host(host) == "10.1.2.3"
+
+
+def test_set_host_wins_over_detection_and_bind_host_over_it() -> None:
+    def detect() -> str:
+        raise AssertionError("host is set: nothing to detect")
+
+    c = KVP2PConfig.from_sources({"bind_host": "0.0.0.0"}, env={"VLLM_KVP2P_HOST": " 127.0.0.1 "})
+    assert c.advertised_host(detect) == "127.0.0.1"
+    assert c.side_channel_bind_host(c.advertised_host(detect)) == "0.0.0.0"
+    env = {"VLLM_KVP2P_BIND_HOST": "10.0.0.9", "VLLM_KVP2P_HOST": "p-0.prefill.svc"}
+    c = KVP2PConfig.from_sources({}, env=env)
+    assert (c.advertised_host(detect), c.side_channel_bind_host("p-0.prefill.svc")) == ("p-0.prefill.svc", "10.0.0.9")
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_wildcard_host_is_refused_naming_the_settings(wildcard: str) -> None:
+    for extra, env in (({}, {"VLLM_KVP2P_HOST": wildcard}), ({"host": wildcard}, {})):
+        with pytest.raises(ConfigError) as info:
+            KVP2PConfig.from_sources(extra, env)
+        for text in (f"host={wildcard!r}", "VLLM_KVP2P_HOST", "VLLM_HOST_IP", "bind_host"):
+            assert text in str(info.value)
+
+
+@pytest.mark.parametrize("detected", ["0.0.0.0", "", "::"])
+def test_detection_without_an_address_is_refused_naming_the_settings(detected: str) -> None:
+    """vLLM's get_ip() returns 0.0.0.0 when no route leads anywhere (and VLLM_HOST_IP=0.0.0.0 gives the same)."""
+    c = KVP2PConfig.from_sources({}, env={})
+    with pytest.raises(ConfigError) as info:
+        c.advertised_host(lambda: detected)
+    assert "VLLM_KVP2P_HOST" in str(info.value) and "VLLM_HOST_IP" in str(info.value)
+
+
+def test_detection_is_vllms_get_ip_which_honours_vllm_host_ip(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kvp2p import compat
+
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
+    assert KVP2PConfig.from_sources({}, env={}).advertised_host(compat.node_ip) == "10.9.8.7"

@@ -1,6 +1,8 @@
 """A whole P/D deployment on one machine: a prefill ``vllm serve`` (kv_producer), a decode ``vllm serve``
-(kv_consumer) and the ``vllm-kvp2p-proxy`` console script in front, all on 127.0.0.1. Used by the demo and the
-end-to-end tests. Everything it starts, it stops (by PID / process group).
+(kv_consumer) and the ``vllm-kvp2p-proxy`` console script in front, all on 127.0.0.1 (each engine gets
+``VLLM_KVP2P_HOST=127.0.0.1`` from :class:`VllmServer`: the connector's default is this node's address, and the
+P/D traffic of one machine stays on loopback). Used by the demo and the end-to-end tests. Everything it starts,
+it stops (by PID / process group).
 
 The connector is found through the installed ``vllm.general_plugins`` entry point, exactly as a user runs it.
 """

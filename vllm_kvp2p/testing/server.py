@@ -199,7 +199,12 @@ def _group_alive(pgid: int) -> bool:
 
 
 class VllmServer:
-    """A ``vllm`` OpenAI API server for ``model_path`` on ``127.0.0.1:port``, run in its own process group.
+    """A ``vllm`` OpenAI API server for ``model_path`` on ``host:port`` (127.0.0.1), run in its own process group.
+
+    The connector's ``host`` defaults to this node's address (vllm_kvp2p/config.py), so a server here gets
+    ``VLLM_KVP2P_HOST=127.0.0.1`` (its P/D traffic stays on loopback) unless ``env`` names the variable (``None``
+    removes it). ``netns`` runs the server inside that network namespace (``ip netns exec``, as root); ``host`` is
+    then the namespace's address (``--host`` and :attr:`url`) and nothing host-related is added to the env.
 
     ``extra_args`` are appended after :data:`DEFAULT_ARGS` (so they win); ``env`` is applied over ``os.environ``
     and :data:`DEFAULT_ENV` (a value of ``None`` removes a variable). Output goes to ``log_path`` (default: a new
@@ -235,15 +240,20 @@ class VllmServer:
         single_process: bool = False,
         ready_timeout: float = 240.0,
         python: str | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         self.model_path = Path(model_path)
-        self.host = "127.0.0.1"
+        self.host = host
+        self.netns = netns
         self.port = port if port is not None else free_port()
         self.extra_args = tuple(str(a) for a in extra_args)
         self.model_name = served_model_name
         self.ready_timeout = ready_timeout
         self.python = python or sys.executable
         self._env_overrides = dict(env or {})
+        if netns is None:
+            self._env_overrides.setdefault("VLLM_KVP2P_HOST", "127.0.0.1")
         bind_var = "VLLM_CPU_OMP_THREADS_BIND"
         if cpus is None and bind_var not in self._env_overrides and bind_var not in os.environ:
             cpus = _round_robin_cpu()
@@ -284,6 +294,7 @@ class VllmServer:
     @property
     def cmd(self) -> list[str]:
         return [
+            *(("ip", "netns", "exec", self.netns) if self.netns else ()),
             self.python,
             "-m",
             "vllm.entrypoints.openai.api_server",

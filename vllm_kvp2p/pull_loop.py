@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -168,7 +168,7 @@ class PullLoop:
         try:
             sources = self.sources_for(plan.remote.tp_size) if plan.contact_p else ()
         except UnsupportedLayout as exc:
-            plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}")
+            plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}", failure=Failure.INCOMPATIBLE)
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
         job = ConsumerPull(
             plan, sources, self.reader, self.local,
@@ -292,7 +292,8 @@ class PullLoop:
 
     def _finished(self, plan: PullPlan, result: PullResult) -> None:
         if result.reason:
-            logger.warning("pull of %s failed: %s", result.request_id, result.reason)
+            kind = result.failure.value if result.failure is not None else "not reported"
+            logger.warning("pull of %s failed (%s): %s", result.request_id, kind, result.reason)
         elif result.num_blocks and self.after_pull is not None:
             self.after_pull(plan, result)
 
@@ -300,5 +301,6 @@ class PullLoop:
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:
     outcome = Outcome.FAILED if plan.awaiting else Outcome.NOTHING_TO_PULL
     return PullResult(
-        plan.request_id, outcome, plan.awaiting, plan.all_local_block_ids, reason=f"internal error: {exc}"
+        plan.request_id, outcome, plan.awaiting, plan.all_local_block_ids, reason=f"internal error: {exc}",
+        failure=Failure.INTERNAL,
     )

@@ -63,6 +63,7 @@ class PullReport:
     descriptors: int
     seconds: float
     reason: str = ""
+    failure: str = ""  # lifecycle.consumer.Failure value, for the metrics
 
     def merge(self, other: PullReport) -> PullReport:
         return PullReport(
@@ -72,6 +73,7 @@ class PullReport:
             self.descriptors + other.descriptors,
             max(self.seconds, other.seconds),
             self.reason or other.reason,
+            self.failure or other.failure,
         )
 
 
@@ -266,4 +268,5 @@ def _report_dict(report: PullReport) -> dict[str, Any]:
         "descriptors": report.descriptors,
         "seconds": round(report.seconds, 6),
         **({"reason": report.reason} if report.reason else {}),
+        **({"failure": report.failure} if report.failure else {}),
     }

@@ -256,7 +256,8 @@ class WorkerSide:
                     if self._load_errors_as_blocks:
                         self._load_error_blocks.update(r.local_block_ids)  # of every group
                 self._reports[r.request_id] = PullReport(
-                    not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason
+                    not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason,
+                    r.failure.value if r.failure is not None else "",
                 )
         return sending, recving, failed
 

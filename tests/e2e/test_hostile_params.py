@@ -62,6 +62,7 @@ def test_unaddressable_params_end_fast_without_contacting_anyone(cluster: Cluste
     assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL  # recomputed by D
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert not report["ok"] and "invalid kv_transfer_params" in report["reason"], report
+    assert report["failure"] == "invalid_params"
 
 
 @pytest.mark.parametrize("change", [

@@ -82,6 +82,7 @@ def test_changed_or_made_up_params_are_refused_before_any_contact(secured_cluste
     assert took < BOUND_S, took
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert not report["ok"] and report["reason"].startswith("unauthenticated kv_transfer_params"), report
+    assert report["failure"] == "unauthenticated"
     assert max_logprob_gap(out, baseline(secured_cluster, prompt)) <= LOGPROB_TOL  # D recomputed
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_kvp2p.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure
 from vllm_kvp2p.protocol import RemotePrefill
 
 SECRET = b"0123456789abcdef-test-secret"
@@ -71,6 +71,7 @@ def test_unauthenticated_params_make_d_contact_no_one() -> None:
     assert schedule.matched_tokens("d1", forged, PROMPT, 0) == (PROMPT - 1, True)  # vLLM's policy ends it
     plan = schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
     assert plan is not None and not plan.contact_p and plan.error.startswith("unauthenticated kv_transfer_params")
+    assert plan.failure is Failure.UNAUTHENTICATED
     assert schedule.on_finished("d2", forged, PROMPT) is None  # no release to the forged address either
     # Without the defence the same params plan a pull from 10.6.6.6.
     open_schedule = ConsumerSchedule(BS)

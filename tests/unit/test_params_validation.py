@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, Finish, LocalKV, SendClaim, SendRelease, Source
 from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
 from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
@@ -78,6 +78,7 @@ def test_invalid_params_fail_the_plan_without_contacting_anyone() -> None:
     action = job.next_action(0.0)
     assert isinstance(action, Finish)  # no registration, claim or release: nothing goes out
     assert action.result.report_failed and "tp_size 2000000" in action.result.reason
+    assert action.result.failure is Failure.INVALID_PARAMS
 
 
 def test_without_the_check_one_request_would_make_d_release_every_rank_it_names() -> None:
@@ -174,4 +175,6 @@ def test_one_deadline_bounds_the_whole_pull_and_its_releases() -> None:
     assert isinstance(action, SendRelease) and "pull_timeout=20s" in job._failure
     assert job.time_left(21.0) == 4.0  # the releases' own budget
     job.on_release_sent(action.source)
-    assert isinstance(job.next_action(26.0), Finish)  # past it: the other ranks' releases are not sent
+    finish = job.next_action(26.0)
+    assert isinstance(finish, Finish)  # past it: the other ranks' releases are not sent
+    assert finish.result.failure is Failure.TIMEOUT

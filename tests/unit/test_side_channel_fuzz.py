@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_kvp2p import protocol
+from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.protocol import (
@@ -229,3 +230,50 @@ def test_forged_release_and_renew_over_the_wire_keep_the_lease(service: HoldServ
     counters = service.counters()
     assert counters["release_without_token"] >= 2 and counters["renew_refused"] >= 1
     assert counters["claim_refused_live_lease"] >= 1
+
+
+# --------------------------------------------------------------------------- with the shared secret
+
+SECRET = b"fuzz-shared-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[tuple[HoldService, SideChannelClient, int]]:
+    auth = Authenticator(SECRET, 30)
+    port = free_port(HOST)
+    svc = HoldService(REG, HOST, port, hold_timeout=30.0, lease_timeout=10.0, max_early_releases=MAX_EARLY,
+                      auth=auth)
+    c = SideChannelClient(timeout=3.0, auth=Authenticator(SECRET, 30))
+    yield svc, c, port
+    c.close()
+    svc.close()
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_with_the_secret_no_hostile_frame_reaches_the_ledger(secured: tuple[HoldService, SideChannelClient, int],
+                                                              data: st.DataObject) -> None:
+    """The same frames, now at a P with the secret, from a peer without it: every one is dropped before the ledger
+    (its counters and tables do not move), and a peer with the secret is served as before."""
+    service, sealed_client, port = secured
+    victim, victim_hold = f"victim-{uuid.uuid4().hex}", uuid.uuid4().hex
+    service.hold(victim, victim_hold)
+    token = sealed_client.request(HOST, port, Claim(victim, victim_hold, READER, 1, "cid")).lease_token
+    before_counters, before_sizes = dict(service.counters()), service.table_sizes()
+    ctx = zmq.Context()
+    raw = RawPeer(ctx, port)
+    try:
+        for message in data.draw(st.lists(frames(victim, victim_hold), min_size=1, max_size=6), label="frames"):
+            answer = raw.ask(message)
+            if answer is not None:
+                reply = protocol.decode_reply(answer)
+                assert isinstance(reply, protocol.ErrorReply) and reply.message.startswith("unauthenticated")
+    finally:
+        raw.close()
+        ctx.term()
+    assert dict(service.counters()) == before_counters and service.table_sizes() == before_sizes
+    assert victim not in service.take_freed()
+    assert isinstance(sealed_client.request(HOST, port, GetRegistration(0)), Registration)
+    assert isinstance(sealed_client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, token)), Ack)
+    assert victim in service.take_freed()

@@ -16,12 +16,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from vllm_kvp2p.kv_groups import FULL, KVGroup, has_state, single_full_group
 from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
+
+
+class Failure(str, Enum):
+    """Why a pull failed, in words a metric can count (the reason text says the rest)."""
+
+    INVALID_PARAMS = "invalid_params"  # kv_transfer_params fail a check (any client can send them)
+    UNAUTHENTICATED = "unauthenticated"  # with a shared secret: params not signed by P, changed or expired
+    INCOMPATIBLE = "incompatible"  # P and D cannot pair (model, layout, block sizes, protocol, P restarted)
+    UNREACHABLE = "unreachable"  # P's side channel did not answer
+    REFUSED = "refused"  # P no longer holds (or never held) the blocks
+    TIMEOUT = "timeout"  # the pull ran past pull_timeout
+    READ_FAILED = "read_failed"  # a Mooncake read failed
+    INTERNAL = "internal"  # a bug: the pull crashed
 
 # --------------------------------------------------------------------------- scheduler half
 
@@ -42,6 +56,7 @@ class PullPlan:
     test_corrupt: bool = False  # test hook (honoured only with the test_hooks setting): corrupt what was pulled
     remote_token_offset: int = 0  # first token to pull, within remote_block_ids[0] (P blocks larger than D's)
     contact_p: bool = True  # False: P's address in the params is invalid; the plan fails with no network call
+    failure: Failure = Failure.INCOMPATIBLE  # what kind of failure ``error`` is
 
     @property
     def num_blocks(self) -> int:
@@ -120,13 +135,13 @@ class ConsumerSchedule:
         if remote is None:
             return None
         self._planned.add(request_id)
-        problem, contact_p = self._problem(
+        problem, contact_p, failure = self._problem(
             remote, num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens
         )
         if problem:
             # Nothing is read; P is still released if its side channel is addressable (it may hold the blocks).
             plan = PullPlan(request_id, remote, tuple(tuple(g) for g in unhashed_block_ids), (),
-                            awaiting=num_external_tokens > 0, error=problem, contact_p=contact_p)
+                            awaiting=num_external_tokens > 0, error=problem, contact_p=contact_p, failure=failure)
         elif num_external_tokens <= 0:
             plan = PullPlan(request_id, remote, (), (), awaiting=False)
         else:
@@ -159,16 +174,18 @@ class ConsumerSchedule:
         self._pending.append(plan)
         return plan
 
-    def _problem(self, remote: RemotePrefill, num_prompt_tokens: int) -> tuple[str, bool]:
-        """Why the params cannot be used ("" if they can), and whether P may still be contacted to release."""
+    def _problem(self, remote: RemotePrefill, num_prompt_tokens: int) -> tuple[str, bool, Failure]:
+        """Why the params cannot be used ("" if they can), whether P may still be contacted to release, and the
+        kind of failure."""
         if self._authenticate is not None:
             refused = self._authenticate(remote)
             if refused:
-                return f"unauthenticated kv_transfer_params: {refused}", False
+                return f"unauthenticated kv_transfer_params: {refused}", False, Failure.UNAUTHENTICATED
         problem = remote.problem(num_prompt_tokens, self.peer_ports)
         if problem:
-            return f"invalid kv_transfer_params: {problem}", not remote.address_problem(self.peer_ports)
-        return "", True
+            return (f"invalid kv_transfer_params: {problem}", not remote.address_problem(self.peer_ports),
+                    Failure.INVALID_PARAMS)
+        return "", True, Failure.INVALID_PARAMS
 
     def is_planned(self, request_id: str) -> bool:
         return request_id in self._planned

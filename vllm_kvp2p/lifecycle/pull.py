@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from vllm_kvp2p.kv_groups import STATE, KVGroup, single_full_group
-from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
@@ -109,6 +109,7 @@ class PullResult:
     num_bytes: int = 0
     num_descriptors: int = 0
     reason: str = ""
+    failure: Failure | None = None  # set when the outcome is FAILED
 
     @property
     def report_finished(self) -> bool:
@@ -186,13 +187,14 @@ class ConsumerPull:
         self._bytes = 0
         self._descriptors = 0
         self._failure = plan.error
+        self._kind: Failure | None = plan.failure if plan.error else None
         nothing = not plan.num_blocks or not plan.awaiting or not self._readable
         self._phase = _Phase.RELEASE if (nothing or self._failure) else _Phase.REGISTRATION
         if not plan.contact_p:  # invalid params: no release either, to an address any client could have named
             for st in self._sources:
                 st.released = True
         if plan.awaiting and plan.num_blocks and not self._readable and not self._failure:
-            self._failure = "the TP mapping gives this D rank nothing to read"
+            self._failure, self._kind = "the TP mapping gives this D rank nothing to read", Failure.INCOMPATIBLE
         self._result: PullResult | None = None
 
     @property
@@ -206,7 +208,7 @@ class ConsumerPull:
             assert self._result is not None
             return Finish(self._result)
         if self._phase is not _Phase.RELEASE and now >= self._deadline:
-            self._fail(f"the pull took longer than pull_timeout={self.timeout:g}s")
+            self._fail(f"the pull took longer than pull_timeout={self.timeout:g}s", Failure.TIMEOUT)
         if self._phase is _Phase.RELEASE:
             if now >= self._release_deadline:
                 self._give_up_releases()
@@ -236,16 +238,16 @@ class ConsumerPull:
         if st is None:
             return False
         if registration is None:
-            self._fail(f"no registration from P rank {source.p_rank}: {error}")
+            self._fail(f"no registration from P rank {source.p_rank}: {error}", Failure.UNREACHABLE)
             return False
         problem = self._incompatible(source, registration)
         if problem:
-            self._fail(f"P rank {source.p_rank} is incompatible: {problem}")
+            self._fail(f"P rank {source.p_rank} is incompatible: {problem}", Failure.INCOMPATIBLE)
             return False
         try:
             descriptors = self._descriptors_for(source, registration)
         except ValueError as exc:
-            self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}")
+            self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}", Failure.INCOMPATIBLE)
             return False
         st.registration = registration
         st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
@@ -258,7 +260,7 @@ class ConsumerPull:
         if st is None:
             return
         if reply is None:
-            return self._fail(f"claim on P rank {source.p_rank} failed: {error}")
+            return self._fail(f"claim on P rank {source.p_rank} failed: {error}", Failure.UNREACHABLE)
         if reply.status is ClaimStatus.GRANTED:
             st.lease = reply.lease
             st.lease_token = reply.lease_token
@@ -274,7 +276,7 @@ class ConsumerPull:
             why = reply.reason
         else:
             why = f"P never learned of the hold in {self.claim_wait:g}s"
-        self._fail(f"P rank {source.p_rank} refused the claim: {why}")
+        self._fail(f"P rank {source.p_rank} refused the claim: {why}", Failure.REFUSED)
 
     def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
         st = self._current(source, _Phase.READ)
@@ -282,7 +284,8 @@ class ConsumerPull:
             return
         if reply is None or reply.status is not ClaimStatus.GRANTED:
             reason = error if reply is None else reply.reason
-            return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reason}")
+            return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reason}",
+                              Failure.UNREACHABLE if reply is None else Failure.REFUSED)
         st.renew_at = now + reply.lease / 3
 
     def on_batch_done(self, source: Source, ok: bool, error: str = "") -> None:
@@ -291,7 +294,7 @@ class ConsumerPull:
             return
         if not ok:
             segment = st.registration.segment if st.registration else "?"
-            return self._fail(f"read from P rank {source.p_rank} ({segment}) failed: {error}")
+            return self._fail(f"read from P rank {source.p_rank} ({segment}) failed: {error}", Failure.READ_FAILED)
         batch = st.batches.pop(0)
         self._bytes += batch.total_bytes
         if not st.batches:
@@ -331,8 +334,9 @@ class ConsumerPull:
         self._cursor += 1
         self._phase = _Phase.RELEASE if self._cursor >= len(self._readable) else _Phase.REGISTRATION
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, kind: Failure) -> None:
         self._failure = reason
+        self._kind = kind
         self._phase = _Phase.RELEASE
 
     def _give_up_releases(self) -> None:
@@ -461,6 +465,7 @@ class ConsumerPull:
             num_bytes=self._bytes,
             num_descriptors=self._descriptors,
             reason=self._failure,
+            failure=self._kind if outcome is Outcome.FAILED else None,
         )
 
 

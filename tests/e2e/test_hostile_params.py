@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.e2e.helpers import (
@@ -20,6 +22,8 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.testing.cluster import kv_transfer_config
+from vllm_kvp2p.testing.server import VllmServer, free_port
 
 BOUND_S = 10.0  # each request on its own; generous for a loaded 2-core machine
 
@@ -93,8 +97,47 @@ def test_out_of_range_block_ids_fail_at_pull_time_and_p_is_released(cluster: Clu
     out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
     assert time.monotonic() - start < BOUND_S
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
-    assert not report["ok"] and "out of range" in report["reason"], report
+    assert not report["ok"] and "the params name blocks beyond the" in report["reason"], report
+    assert report["failure"] == "incompatible"
     assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def failing_decode(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A second D beside the cluster's, with vLLM's other policy: failed loads end the request with an error."""
+    with VllmServer(cluster.model_path, free_port(), cpus="1", log_path=tmp_path_factory.mktemp("fail-d") / "d.log",
+                    extra_args=("--kv-transfer-config", kv_transfer_config("kv_consumer", "fail"))) as server:
+        yield server
+
+
+@pytest.mark.parametrize("change", [{"tp_size": 2_000_000}, {"remote_block_ids": [[-1, -2, -3]]}],
+                         ids=["unaddressable", "invalid-content"])
+def test_under_the_fail_policy_bad_params_end_with_an_error_and_a_warning_naming_the_field(
+        cluster: Cluster, failing_decode: VllmServer, change: dict) -> None:
+    """vLLM answers a failed load under ``kv_load_failure_policy: fail`` with its own HTTP 500 (its error carries no
+    connector text); D's log has one WARNING naming the field and the failure kind."""
+    prompt = prompt_ids(96, seed=4545 + len(change))
+    # A real hold only where D can release it (unaddressable params would leave it to P's hold timeout).
+    params = fabricated_params(prompt, 20000, **change) if "tp_size" in change else {
+        **real_params(cluster, prompt), **change}
+    start = time.monotonic()
+    r = httpx.post(failing_decode.url + "/v1/completions", json=completion_body(prompt, kv_transfer_params=params),
+                   timeout=60)
+    assert time.monotonic() - start < BOUND_S
+    assert r.status_code == 500, r.text
+    field = next(iter(change))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for line in failing_decode.log_path.read_text(errors="replace").splitlines() if "WARNING" in line
+                 and "failed (invalid_params): invalid kv_transfer_params:" in line and field in line]
+        if lines:
+            break
+        time.sleep(0.2)
+    assert len(lines) == 1, lines
+    ok = post(failing_decode.url + "/v1/completions",
+              completion_body(prompt, kv_transfer_params=real_params(cluster, prompt)))
+    assert ok["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
+    assert wait_kv_idle(failing_decode) == 0.0
 
 
 def test_engines_idle_and_normal_requests_work_afterwards(cluster: Cluster) -> None:

@@ -161,7 +161,6 @@ class KVP2PConfig:
                 f"max_batch_entries={self.max_batch_entries}: allowed values are 1..1024 "
                 "(Mooncake's TCP transport rejects more than ~2048 entries in flight per peer)"
             )
-
         if self.pull_timeout < self.side_channel_timeout:
             raise ConfigError(f"pull_timeout={self.pull_timeout}: allowed values are >= side_channel_timeout "
                               f"({self.side_channel_timeout})")

@@ -31,6 +31,11 @@ MAX_REQUEST_BYTES = 64 << 10
 MAX_REPLY_BYTES = 64 << 20
 
 
+def endpoint(host: str, port: int) -> str:
+    """ZMQ's address of ``host:port``; an IPv6 address goes in brackets."""
+    return f"tcp://[{host.strip('[]')}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000  # wall clock: it is compared with the peer's
 
@@ -46,7 +51,7 @@ class SideChannelServer:
         self, host: str, port: int, handler: Callable[[Request], Reply], *, setting: str = "",
         auth: Authenticator | None = None,
     ) -> None:
-        self.address = f"tcp://{host}:{port}"
+        self.address = endpoint(host, port)
         self._handler = handler
         self._auth = auth
         self._replays = ReplayGuard(2 * auth.skew_ms) if auth is not None else None
@@ -54,6 +59,7 @@ class SideChannelServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IPV6, 1)  # IPv6 addresses too (IPv4 ones work either way)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             self._sock.bind(self.address)
@@ -143,25 +149,25 @@ class SideChannelClient:
 
     def request(self, host: str, port: int, message: Request, timeout: float | None = None) -> Reply:
         """``timeout`` (at most the client's own) bounds this call, all attempts together."""
-        endpoint = f"tcp://{host}:{port}"
+        address = endpoint(host, port)
         budget = self.timeout if timeout is None else min(timeout, self.timeout)
         timeout_ms = max(100, int(budget * 1000 / self.attempts))
         error: Exception | None = None
         for _ in range(self.attempts):
             try:
-                return self._once(endpoint, message, timeout_ms)
+                return self._once(address, message, timeout_ms)
             except zmq.ZMQError as exc:
-                self._drop(endpoint)
+                self._drop(address)
                 error = exc
         raise SideChannelError(
-            f"no answer from {endpoint} in {self.attempts} attempts of {timeout_ms} ms: {error}"
+            f"no answer from {address} in {self.attempts} attempts of {timeout_ms} ms: {error}"
         ) from error
 
     def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.REQ)
-            for opt, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
+            for opt, value in ((zmq.LINGER, 0), (zmq.IPV6, 1), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
                 sock.setsockopt(opt, value)
             sock.connect(endpoint)
             self._socks[endpoint] = sock

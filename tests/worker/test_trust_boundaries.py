@@ -151,3 +151,26 @@ def test_a_registration_whose_segment_is_on_another_host_is_refused() -> None:
     finally:
         attacker.close()
         p.close()
+
+
+def test_the_side_channel_speaks_ipv6() -> None:
+    """remote_host may be an IPv6 address (the params check accepts one): P binds it, D reaches it in brackets."""
+    from vllm_kvp2p.side_channel import SideChannelClient, endpoint
+
+    assert endpoint("::1", 14600) == "tcp://[::1]:14600" and endpoint("10.0.0.7", 1) == "tcp://10.0.0.7:1"
+    port = free_port()
+    reg = _registration_on("::1")
+    service = HoldService(reg, "::1", port, hold_timeout=30, lease_timeout=30, auth=Authenticator(SECRET, 30))
+    client = SideChannelClient(3.0, auth=Authenticator(SECRET, 30))
+    try:
+        reply = client.request("::1", port, GetRegistration(0))
+        assert isinstance(reply, Registration) and reply.registration.segment == "::1:16001"
+    finally:
+        client.close()
+        service.close()
+
+
+def _registration_on(host: str):
+    planes, shapes, _ = _planes(_kv(2, 1), 2)
+    return protocol.RankRegistration("p6", 0, 1, f"{host}:16001", planes, shapes, ["l"] * len(planes), BLOCK, 2,
+                                     "float32", 2, 2, 32)

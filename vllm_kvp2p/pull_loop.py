@@ -218,10 +218,15 @@ class PullLoop:
             job.on_renewed(action.source, reply, time.monotonic(), err)
         elif isinstance(action, ReadBatch):
             try:
+                started = time.monotonic()
                 try:
                     self.engine.read(action.segment, action.descriptors)
                 except TransferEngineError as first:
-                    # The first read from a new peer opens its segment; under load that can fail once.
+                    # The first read from a new peer opens its segment; under load that can fail at once. A read
+                    # that failed only after a while (a timeout) is not repeated: it would double the overrun of
+                    # the pull's deadline, which cannot cancel a read in progress.
+                    if time.monotonic() - started > SLOW_ACTION_S or not job.time_left(time.monotonic()):
+                        raise
                     logger.warning("read from %s failed (%s); retrying once", action.segment, first)
                     self.engine.read(action.segment, action.descriptors)
                 job.on_batch_done(action.source, True)

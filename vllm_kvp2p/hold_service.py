@@ -60,6 +60,7 @@ class HoldService:
         self._warned_at: dict[str, float] = {}  # reason -> when it was last logged
         self._unlogged: dict[str, int] = {}  # reason -> events since then not logged
         self._lock = threading.Lock()
+        self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
         self._server = SideChannelServer(
             host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.tp_rank}",
             auth=auth,
@@ -74,12 +75,16 @@ class HoldService:
             self._log_events()
 
     def take_freed(self) -> set[str]:
-        """Requests whose blocks vLLM may free now (released by every reader, or expired)."""
+        """Requests whose blocks vLLM may free now (released by every reader, or expired). vLLM takes a set: when
+        two holds of one request id end together, the second is reported at the next call (once per hold)."""
+        out: set[str] = set()
         with self._lock:
             self.ledger.expire(self._clock())
-            freed = self.ledger.take_freed()
+            freed, self._held_over = self._held_over + self.ledger.take_freed(), []
+            for request_id in freed:
+                (self._held_over.append if request_id in out else out.add)(request_id)
             self._log_events()
-        return set(freed)
+        return out
 
     @property
     def active(self) -> int:

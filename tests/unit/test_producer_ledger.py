@@ -110,12 +110,49 @@ def test_waits_for_every_expected_reader() -> None:
     assert lg.take_freed() == ["r1"]
 
 
-def test_duplicate_hold_is_ignored() -> None:
+def test_the_same_hold_announced_twice_is_reported_once() -> None:
     lg = ledger()
     lg.hold("r1", "h", now=0)
-    lg.hold("r1", "h2", now=1)
+    lg.hold("r1", "h", now=1)
     lg.release("r1", "h", "d:0", 1, now=2)
     assert lg.take_freed() == ["r1"]
+    lg.expire(now=1000)
+    assert lg.take_freed() == []
+
+
+def test_a_request_id_that_comes_back_gets_a_hold_of_its_own() -> None:
+    """Before, a second hold for an id still live or recently finished was ignored after vLLM had already
+    delayed its free: those blocks were never reported, so never freed. Every delayed free is now reported once."""
+    lg = ledger()
+    lg.hold("r1", "h1", now=0)
+    lg.release("r1", "h1", "d:0", 1, now=1)
+    assert lg.take_freed() == ["r1"]
+    lg.hold("r1", "h2", now=2)  # the id comes back (reused by a client, or a suffix collision)
+    lg.hold("r1", "h3", now=2)  # and once more while h2 is live
+    assert lg.claim("r1", "h1", "d:0", 1, now=3).status is ClaimStatus.REFUSED  # the old params stay fenced off
+    t2 = lg.claim("r1", "h2", "d:0", 1, now=3).lease_token
+    lg.release("r1", "h2", "d:0", 1, now=4, lease_token=t2)
+    assert lg.take_freed() == ["r1"]  # h2
+    lg.expire(now=2 + 10 + 0.001)  # h3 was never claimed: its hold timeout
+    assert lg.take_freed() == ["r1"]
+    lg.expire(now=1000)
+    assert lg.take_freed() == [] and lg.active == 0
+
+
+def test_expiry_looks_only_at_what_is_due() -> None:
+    """Before, every engine step scanned every hold under the lock the side channel needs. Now expire() looks at
+    the holds whose deadline has come: with 100,000 held, a step where nothing is due looks at none."""
+    lg = ProducerLedger(hold_timeout=100.0, lease_timeout=30.0)
+    for i in range(100_000):
+        lg.hold(f"r{i}", "h", now=i / 1000)  # created over 100 s
+    looked: list[str] = []
+    original = lg._expire_one
+    lg._expire_one = lambda hold, now: (looked.append(hold.request_id), original(hold, now))  # type: ignore
+    lg.expire(now=50.0)
+    assert looked == [] and lg.take_freed() == []
+    lg.expire(now=100.0 + 0.0995)  # the first hundred are due
+    assert len(looked) == 100 and len(lg.take_freed()) == 100
+    assert lg.active == 99_900
 
 
 # --------------------------------------------------------------------------- bounds (issue 11 part 4)
@@ -210,7 +247,7 @@ def test_huge_expected_readers_is_capped() -> None:
     lg.claim("r1", "h", "d:0", 10**9, now=1)
     lg.release("r1", "h", "x:0", -5, now=1)  # negative: as 1
     assert lg.counters["expected_readers_capped"] == 1
-    assert lg._holds["r1"].expected_readers == MAX_TP_SIZE
+    assert lg._holds[("r1", "h")].expected_readers == MAX_TP_SIZE
     lg.expire(now=14)
     assert lg.take_freed() == ["r1"]
 
@@ -223,7 +260,7 @@ def test_forged_release_without_the_token_leaves_the_lease_and_the_hold() -> Non
     lg.release("r1", "h", "d:0", 1, now=2)  # forged: no token
     lg.release("r1", "h", "d:0", 1, now=2, lease_token="tok-guess")  # forged: wrong token
     assert lg.take_freed() == [] and lg.state("r1") is HoldState.CLAIMED
-    assert lg._holds["r1"].leases == {"d:0": 5.0}
+    assert lg._holds[("r1", "h")].leases == {"d:0": 5.0}
     assert lg.counters["release_without_token"] == 2
     assert [e.reason for e in lg.take_events()] == ["release_without_token"] * 2
     forged_renew = lg.renew("r1", "h", "d:0", now=2, lease_token="")
@@ -297,3 +334,27 @@ def test_a_claim_resent_after_a_lost_reply_gets_the_same_lease_back() -> None:
     other = ledger.claim("r", "h", "d:0", 1, 2.0, claim_id="guess")
     assert other.status is ClaimStatus.REFUSED and not other.lease_token
     assert ledger.claim("r", "h", "d:0", 1, 2.0).status is ClaimStatus.REFUSED  # no claim id: refused as before
+
+
+def test_two_holds_of_one_id_ending_together_reach_vllm_in_two_steps() -> None:
+    """vLLM takes finished ids as a set: the hold service reports the second at the next call."""
+    from vllm_kvp2p.hold_service import HoldService
+    from vllm_kvp2p.protocol import RankRegistration
+    from vllm_kvp2p.testing.server import free_port
+    from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+    from vllm_kvp2p.transfer.slicing import BlockShape
+
+    reg = RankRegistration("P", 0, 1, "127.0.0.1:1", [PlaneGeometry(1 << 30, 512, 512, 100)],
+                           [BlockShape(True, 2, 16, 16)], ["l0"], 16, 100, "float32", 2, 2, 8)
+    now = [0.0]
+    service = HoldService(reg, "127.0.0.1", free_port(), hold_timeout=10, lease_timeout=4, clock=lambda: now[0])
+    try:
+        service.hold("r1", "h1")
+        service.hold("r1", "h2")
+        service.hold("r2", "h1")
+        now[0] = 11.0
+        assert service.take_freed() == {"r1", "r2"}
+        assert service.take_freed() == {"r1"}
+        assert service.take_freed() == set()
+    finally:
+        service.close()

@@ -158,7 +158,7 @@ def check_service(service: HoldService, client: SideChannelClient, port: int, vi
     # Nothing the attacker sent dropped the victim's live lease (P would free blocks D is still reading).
     assert victim not in service.take_freed()
     with service._lock:
-        hold = service.ledger._holds[victim]
+        hold = service.ledger._holds[(victim, victim_hold)]
         assert hold.state is HoldState.CLAIMED and READER in hold.leases
 
     # The genuine release frees it, unless the attacker joined as another reader (then that reader's lease or
@@ -166,7 +166,7 @@ def check_service(service: HoldService, client: SideChannelClient, port: int, vi
     assert isinstance(client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, victim_token)), Ack)
     freed = service.take_freed()
     with service._lock:
-        hold = service.ledger._holds.get(victim)
+        hold = service.ledger._holds.get((victim, victim_hold))
         assert victim in freed or (
             hold is not None and READER not in hold.leases and (hold.leases or
                                                                 len(hold.released_by) < hold.expected_readers)

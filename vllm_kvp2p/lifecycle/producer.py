@@ -13,6 +13,11 @@
 * Requests are freed once every reader it was told to expect has released. A release that arrives before P has
   heard of the hold (D had nothing to pull and was quick) is remembered and applied when the hold arrives.
 * Nothing here raises on a protocol violation from a peer; it answers with a refusal or ignores, and says why.
+* A hold is known by its request id **and** its hold id (random per hold): a request id that comes back (reused by
+  a client, or a collision of vLLM's random suffix) gets a hold of its own, and every delayed free is reported
+  exactly once, whatever the ids.
+* Time costs what expires, not what is held: every deadline (hold, hard cap, lease) goes into a heap when it is
+  set, and :meth:`ProducerLedger.expire` looks only at holds whose deadline has come.
 
 Bounds (the side channel is not authenticated, so every peer is a possible attacker; docs/security.md):
 
@@ -32,6 +37,8 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -43,6 +50,8 @@ MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
 EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read from within one P engine step
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
+
+_Key = tuple[str, str]  # (request id, hold id)
 
 
 class HoldState(enum.Enum):
@@ -88,7 +97,6 @@ class LedgerEvent:
 
 @dataclass(frozen=True)
 class _EarlyRelease:
-    hold_id: str
     readers: frozenset[str]
     expected_readers: int
     until: float
@@ -114,11 +122,16 @@ class ProducerLedger:
         self.max_early_releases = max_early_releases
         self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[_Key, _Hold] = {}
+        self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
+        # (deadline, sequence, hold): every hold, hard-cap and lease deadline when it is set; stale entries (the
+        # hold is gone, the lease was renewed) are skipped when they come up.
+        self._deadlines: list[tuple[float, int, _Key]] = []
+        self._sequence = itertools.count()
         # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
-        self._early: dict[str, _EarlyRelease] = {}
+        self._early: dict[_Key, _EarlyRelease] = {}
         # Final states of recent holds, so a late claim is refused with the real reason.
-        self._tombstones: OrderedDict[str, HoldState] = OrderedDict()
+        self._tombstones: OrderedDict[_Key, HoldState] = OrderedDict()
         self._tombstone_limit = tombstones
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
@@ -126,11 +139,15 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ queries
 
-    def state(self, request_id: str) -> HoldState | None:
-        hold = self._holds.get(request_id)
-        if hold is not None:
-            return hold.state
-        return self._tombstones.get(request_id)
+    def state(self, request_id: str, hold_id: str | None = None) -> HoldState | None:
+        """The state of the hold (its newest, when ``hold_id`` is not given; for tests and logs)."""
+        if hold_id is None:
+            live = self._live_ids.get(request_id)
+            if live:
+                return self._holds[(request_id, next(iter(live)))].state
+            return next((st for (rid, _), st in reversed(self._tombstones.items()) if rid == request_id), None)
+        hold = self._holds.get((request_id, hold_id))
+        return hold.state if hold is not None else self._tombstones.get((request_id, hold_id))
 
     @property
     def active(self) -> int:
@@ -143,6 +160,7 @@ class ProducerLedger:
             "early_releases": len(self._early),
             "tombstones": len(self._tombstones),
             "freed": len(self._freed),
+            "deadlines": len(self._deadlines),
             "readers_per_hold": max((h.num_readers for h in self._holds.values()), default=0),
         }
 
@@ -150,18 +168,24 @@ class ProducerLedger:
 
     def hold(self, request_id: str, hold_id: str, now: float) -> None:
         """vLLM kept ``request_id``'s blocks for a decoder."""
-        if request_id in self._holds or request_id in self._tombstones:
-            self._event(request_id, "duplicate hold ignored")
+        key = (request_id, hold_id)
+        if key in self._holds or key in self._tombstones:
+            self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
             return
+        if self._live_ids.get(request_id):
+            self._event(request_id, "a second live hold for this request id (kept apart by its hold id)")
         if len(self._holds) >= self.max_holds:
             # vLLM already kept the blocks: dropping the hold would leak them. Keep it, say so.
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = _Hold(request_id, hold_id, HoldState.HELD, now + self.hold_timeout,
                      now + self.hold_timeout + self.lease_timeout)
-        self._holds[request_id] = hold
-        early = self._early.pop(request_id, None)
-        if early is not None and early.hold_id == hold_id:
+        self._holds[key] = hold
+        self._live_ids.setdefault(request_id, set()).add(hold_id)
+        self._due(hold.hold_deadline, key)
+        self._due(hold.pin_deadline, key)
+        early = self._early.pop(key, None)
+        if early is not None:
             hold.expected_readers = early.expected_readers
             hold.released_by |= early.readers
             self._maybe_release(hold, "released before the hold arrived")
@@ -174,16 +198,16 @@ class ProducerLedger:
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
             return ClaimReply(ClaimStatus.REFUSED, reason=bad)
-        hold = self._holds.get(request_id)
+        hold = self._holds.get((request_id, hold_id))
         if hold is None:
-            final = self._tombstones.get(request_id)
+            final = self._tombstones.get((request_id, hold_id))
             if final is not None:
                 self._event(request_id, f"claim by {reader} refused: hold already {final.value}")
                 return ClaimReply(ClaimStatus.REFUSED, reason=f"blocks already {final.value}")
+            if self._live_ids.get(request_id):
+                self._event(request_id, f"claim by {reader} refused: stale hold id")
+                return ClaimReply(ClaimStatus.REFUSED, reason="hold id does not match (stale transfer params)")
             return ClaimReply(ClaimStatus.UNKNOWN, reason="no such hold (yet)")
-        if hold.hold_id != hold_id:
-            self._event(request_id, f"claim by {reader} refused: stale hold id")
-            return ClaimReply(ClaimStatus.REFUSED, reason="hold id does not match (stale transfer params)")
         if reader in hold.released_by:
             return ClaimReply(ClaimStatus.REFUSED, reason="reader already released this hold")
         if reader in hold.leases and claim_id and secrets.compare_digest(
@@ -191,6 +215,7 @@ class ProducerLedger:
             # The same claim resent (its reply was lost): the same lease, refreshed up to the hard deadline.
             until = min(now + self.lease_timeout, hold.pin_deadline)
             hold.leases[reader] = max(hold.leases[reader], until)
+            self._due(hold.leases[reader], (request_id, hold_id))
             return ClaimReply(ClaimStatus.GRANTED, lease=hold.leases[reader] - now, lease_token=hold.tokens[reader])
         if reader in hold.leases:
             # Someone else naming this reader (another claim id): the token stays secret.
@@ -208,6 +233,7 @@ class ProducerLedger:
         hold.expected_readers = max(hold.expected_readers, self._readers(request_id, expected_readers))
         token = self._token_factory()
         hold.leases[reader] = until
+        self._due(until, (request_id, hold_id))
         hold.tokens[reader] = token
         hold.claim_ids[reader] = claim_id[:MAX_ID_LENGTH]
         hold.state = HoldState.CLAIMED
@@ -217,8 +243,8 @@ class ProducerLedger:
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
             return ClaimReply(ClaimStatus.REFUSED, reason=bad)
-        hold = self._holds.get(request_id)
-        if hold is None or hold.hold_id != hold_id or reader not in hold.leases:
+        hold = self._holds.get((request_id, hold_id))
+        if hold is None or reader not in hold.leases:
             return ClaimReply(ClaimStatus.REFUSED, reason="no live claim to renew")
         if not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
             self._refuse(request_id, "renew_refused", f"renewal for {reader} refused: wrong lease token")
@@ -232,6 +258,7 @@ class ProducerLedger:
         if until == hold.pin_deadline:
             self.counters["lease_cut_to_deadline"] += 1
         hold.leases[reader] = until
+        self._due(until, (request_id, hold_id))
         return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease_token)
 
     def release(
@@ -241,16 +268,16 @@ class ProducerLedger:
         if bad:
             return
         expected_readers = self._readers(request_id, expected_readers)
-        hold = self._holds.get(request_id)
+        hold = self._holds.get((request_id, hold_id))
         if hold is None:
-            final = self._tombstones.get(request_id)
+            final = self._tombstones.get((request_id, hold_id))
             if final is not None:
                 self._event(request_id, f"release by {reader} ignored: hold already {final.value}")
                 return
+            if self._live_ids.get(request_id):
+                self._event(request_id, f"release by {reader} ignored: stale hold id")
+                return
             self._remember_early(request_id, hold_id, reader, expected_readers, now)
-            return
-        if hold.hold_id != hold_id:
-            self._event(request_id, f"release by {reader} ignored: stale hold id")
             return
         if reader in hold.leases and not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
             self._refuse(request_id, "release_without_token", f"release by {reader} ignored: its lease is live "
@@ -263,33 +290,46 @@ class ProducerLedger:
         hold.leases.pop(reader, None)
         hold.released_by.add(reader)
         self._maybe_release(hold, "released by all readers")
+        if not hold.state.final and not hold.leases:
+            self._due(hold.hold_deadline, (request_id, hold_id))  # its hold deadline may have passed under a lease
 
     # ------------------------------------------------------------------ time
 
     def expire(self, now: float) -> None:
-        """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline."""
-        for hold in list(self._holds.values()):
-            if hold.pin_deadline <= now and any(t >= hold.pin_deadline for t in hold.leases.values()):
-                # Leases are granted only up to the hard deadline, so all have lapsed by now; say why.
-                self.counters["hold_capped"] += 1
-                hold.leases.clear()
-                self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
-                             f"{self.hold_timeout + self.lease_timeout:g}s, the most a hold may be", "hold_capped")
-                continue
-            lapsed = sorted(r for r, t in hold.leases.items() if t <= now)
-            for reader in lapsed:
-                del hold.leases[reader]
-            if lapsed and not hold.leases:
-                # The reader vanished mid-transfer (no release, no renewal): nobody can be reading any more.
-                why = f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s"
-                self._finish(hold, HoldState.EXPIRED, why)
-                continue
-            if hold.leases or hold.hold_deadline > now:
-                continue
-            self._finish(hold, HoldState.EXPIRED, f"not released within hold_timeout={self.hold_timeout:g}s")
-        for request_id, early in list(self._early.items()):
-            if early.until <= now:
-                del self._early[request_id]
+        """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline. Costs
+        what is due: holds whose deadlines have not come are not looked at."""
+        due: dict[_Key, None] = {}
+        while self._deadlines and self._deadlines[0][0] <= now:
+            due[heapq.heappop(self._deadlines)[2]] = None
+        for key in due:
+            hold = self._holds.get(key)
+            if hold is not None:
+                self._expire_one(hold, now)
+        while self._early:  # ordered by expiry
+            oldest = next(iter(self._early))
+            if self._early[oldest].until > now:
+                break
+            del self._early[oldest]
+
+    def _expire_one(self, hold: _Hold, now: float) -> None:
+        if hold.pin_deadline <= now and any(t >= hold.pin_deadline for t in hold.leases.values()):
+            # Leases are granted only up to the hard deadline, so all have lapsed by now; say why.
+            self.counters["hold_capped"] += 1
+            hold.leases.clear()
+            self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
+                         f"{self.hold_timeout + self.lease_timeout:g}s, the most a hold may be", "hold_capped")
+            return
+        lapsed = sorted(r for r, t in hold.leases.items() if t <= now)
+        for reader in lapsed:
+            del hold.leases[reader]
+        if lapsed and not hold.leases:
+            # The reader vanished mid-transfer (no release, no renewal): nobody can be reading any more.
+            why = f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s"
+            self._finish(hold, HoldState.EXPIRED, why)
+            return
+        if hold.leases or hold.hold_deadline > now:
+            return
+        self._finish(hold, HoldState.EXPIRED, f"not released within hold_timeout={self.hold_timeout:g}s")
 
     def take_freed(self) -> list[str]:
         """Request ids whose blocks vLLM may free now; each id is returned exactly once."""
@@ -303,7 +343,8 @@ class ProducerLedger:
     # ------------------------------------------------------------------ internals
 
     def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
-        prev = self._early.pop(request_id, None)
+        key = (request_id, hold_id)
+        prev = self._early.pop(key, None)
         if prev is None and len(self._early) >= self.max_early_releases:
             while self._early:  # oldest first: drop what has expired
                 oldest = next(iter(self._early))
@@ -315,12 +356,12 @@ class ProducerLedger:
                          f"{self.max_early_releases} early releases already waiting (the hold then waits for "
                          "hold_timeout)")
             return
-        readers = (prev.readers if prev and prev.hold_id == hold_id else frozenset()) | {reader}
+        readers = (prev.readers if prev else frozenset()) | {reader}
         if len(readers) > MAX_TP_SIZE and prev is not None:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             readers = prev.readers
         # Re-inserted at the end: the table stays ordered by expiry.
-        self._early[request_id] = _EarlyRelease(hold_id, readers, expected_readers, now + self.early_release_ttl)
+        self._early[key] = _EarlyRelease(readers, expected_readers, now + self.early_release_ttl)
 
     def _readers(self, request_id: str, expected_readers: int) -> int:
         if expected_readers > MAX_TP_SIZE:
@@ -340,10 +381,18 @@ class ProducerLedger:
         if len(hold.released_by) >= hold.expected_readers and not hold.leases:
             self._finish(hold, HoldState.RELEASED, why)
 
+    def _due(self, when: float, key: _Key) -> None:
+        heapq.heappush(self._deadlines, (when, next(self._sequence), key))
+
     def _finish(self, hold: _Hold, state: HoldState, why: str, reason: str = "") -> None:
-        del self._holds[hold.request_id]
+        key = (hold.request_id, hold.hold_id)
+        del self._holds[key]
+        live = self._live_ids[hold.request_id]
+        live.discard(hold.hold_id)
+        if not live:
+            del self._live_ids[hold.request_id]
         hold.state = state
-        self._tombstones[hold.request_id] = state
+        self._tombstones[key] = state
         while len(self._tombstones) > self._tombstone_limit:
             self._tombstones.popitem(last=False)
         self._freed.append(hold.request_id)

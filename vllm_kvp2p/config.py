@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "VLLM_KVP2P_"
+#: A Mooncake read that failed within this many seconds is retried once (vllm_kvp2p/pull_loop.py).
+READ_RETRY_WITHIN = 1.0
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
 PLATFORMS = ("auto", "cpu", "npu")
@@ -160,6 +162,15 @@ class KVP2PConfig:
             raise ConfigError(
                 f"max_batch_entries={self.max_batch_entries}: allowed values are 1..1024 "
                 "(Mooncake's TCP transport rejects more than ~2048 entries in flight per peer)"
+            )
+        longest_read = self.transfer_timeout + READ_RETRY_WITHIN
+        if self.lease_timeout <= 1.5 * longest_read:
+            raise ConfigError(
+                f"lease_timeout={self.lease_timeout:g} with transfer_timeout={self.transfer_timeout:g}: the lease must "
+                f"exceed 1.5 x (transfer_timeout + {READ_RETRY_WITHIN:g} s) = {1.5 * longest_read:g} s. D renews it "
+                "every third of it, between reads, and one read (with its retry after an immediate failure) may "
+                "take transfer_timeout + 1 s: a read must never outlive its lease (P would free the blocks under "
+                "it). Raise lease_timeout (VLLM_KVP2P_LEASE_TIMEOUT) or lower transfer_timeout"
             )
         if self.pull_timeout < self.side_channel_timeout:
             raise ConfigError(f"pull_timeout={self.pull_timeout}: allowed values are >= side_channel_timeout "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.config import READ_RETRY_WITHIN
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
@@ -225,7 +226,7 @@ class PullLoop:
                     # The first read from a new peer opens its segment; under load that can fail at once. A read
                     # that failed only after a while (a timeout) is not repeated: it would double the overrun of
                     # the pull's deadline, which cannot cancel a read in progress.
-                    if time.monotonic() - started > SLOW_ACTION_S or not job.time_left(time.monotonic()):
+                    if time.monotonic() - started > READ_RETRY_WITHIN or not job.time_left(time.monotonic()):
                         raise
                     logger.warning("read from %s failed (%s); retrying once", action.segment, first)
                     self.engine.read(action.segment, action.descriptors)

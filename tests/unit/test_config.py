@@ -87,3 +87,14 @@ def test_detection_is_vllms_get_ip_which_honours_vllm_host_ip(monkeypatch: pytes
 
     monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
     assert KVP2PConfig.from_sources({}, env={}).advertised_host(compat.node_ip) == "10.9.8.7"
+
+
+def test_the_lease_must_outlast_the_longest_read() -> None:
+    """A read that outlives its lease can read blocks P has freed: refused at start-up, naming both settings."""
+    with pytest.raises(ConfigError) as info:
+        KVP2PConfig.from_sources({"lease_timeout": 40, "transfer_timeout": 30}, {})
+    message = str(info.value)
+    assert "lease_timeout=40 with transfer_timeout=30" in message and "46.5 s" in message
+    assert "VLLM_KVP2P_LEASE_TIMEOUT" in message
+    assert KVP2PConfig.from_sources({"lease_timeout": 47, "transfer_timeout": 30}, {}).lease_timeout == 47
+    assert KVP2PConfig().lease_timeout > 1.5 * (KVP2PConfig().transfer_timeout + 1)  # the defaults pass

@@ -110,6 +110,7 @@ class PullLoop:
         self._lane_of: dict[tuple[str, int], _Lane] = {}  # P instance (host, base port) -> its lane, for good
         self._lanes_lock = threading.Lock()
         self._closed = False
+        self._stopping = threading.Event()  # close(): pulls stop reading and only release
         self._lanes = [_Lane(self, f"kvp2p-pull:{tp_rank}.{i}") for i in range(self.max_threads)]
 
     def submit(self, plan: PullPlan) -> None:
@@ -131,15 +132,25 @@ class PullLoop:
             results, self._results = self._results, []
         return results
 
-    def close(self) -> None:
+    def close(self, read_timeout: float = 30.0) -> bool:
+        """Stop: pulls in progress and queued stop reading and release P (each within its release budget), then
+        the threads end. Bounded: a Mooncake read in progress cannot be cancelled, so this waits for one read
+        (``read_timeout``, the transfer timeout) and the releases. False if a thread is still running then (its
+        memory must stay registered)."""
         with self._lanes_lock:
             self._closed = True
             lanes = list(self._lanes)
+        self._stopping.set()
         for lane in lanes:
             lane.plans.put(None)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + read_timeout + 2 * self.side_channel_timeout + 5
         for lane in lanes:
             lane.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        running = [lane.thread.name for lane in lanes if lane.thread.is_alive()]
+        if running:
+            logger.error("pull threads %s still running after %.0f s (a Mooncake read in progress)", running,
+                         read_timeout + 2 * self.side_channel_timeout + 5)
+        return not running
 
     # ------------------------------------------------------------------ the threads
 
@@ -178,6 +189,8 @@ class PullLoop:
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
+            if self._stopping.is_set():
+                job.abort("the engine is shutting down")
             action = job.next_action(time.monotonic())
             started = time.monotonic()
             self._perform(plan, job, action, client, host, base_port)

@@ -292,7 +292,20 @@ class WorkerSide:
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
-        for closer in _closers(self.pull_loop, self.hold_service, self.engine):
+        """Pulls stop and release P, the hold service stops, then memory is unregistered: never under a read."""
+        reads_done = True
+        if self.pull_loop is not None:
+            try:
+                reads_done = self.pull_loop.close(read_timeout=self.config.transfer_timeout)
+            except Exception:  # shutdown must finish whatever one part does
+                logger.exception("error while stopping the pull threads")
+                reads_done = False
+        engine = self.engine
+        if not reads_done:
+            logger.error("KV memory stays registered with Mooncake until the process exits: a read may still be "
+                         "writing into it")
+            engine = None
+        for closer in _closers(self.hold_service, engine):
             try:
                 closer()
             except Exception:  # shutdown must finish whatever one part does

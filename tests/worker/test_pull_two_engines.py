@@ -174,3 +174,27 @@ def test_side_channel_port_collision_names_the_port_and_setting(pair: Pair) -> N
     with pytest.raises(SideChannelError) as info:
         HoldService(pair.holds.registration, "127.0.0.1", pair.port, hold_timeout=1, lease_timeout=1)
     assert str(pair.port) in str(info.value) and "VLLM_KVP2P_SIDE_CHANNEL_PORT" in str(info.value)
+
+
+def test_close_stops_pulls_releases_p_and_ends_in_bounded_time() -> None:
+    """Shutdown with pulls in progress and queued (P has not heard of the holds, so D would keep claiming for
+    claim_wait = 60 s): every pull stops, reports a shutdown failure and releases P, and close() returns in a few
+    seconds; only then may the memory be unregistered."""
+    pair = Pair()
+    pair.pulls.close()
+    pair.pulls = PullLoop(pair.d_engine, reader="d:0", tp_size=1, tp_rank=0, local=pair.pulls.local,
+                          side_channel_timeout=2, claim_wait=60.0, max_batch_entries=4, max_threads=1)
+    try:
+        for i in range(3):
+            pair.pulls.submit(pair.plan(f"late-{i}", [i + 1], [i + 5]))
+        time.sleep(0.5)  # the first is claiming, two are queued behind it
+        t0 = time.monotonic()
+        assert pair.pulls.close(read_timeout=5)
+        assert time.monotonic() - t0 < 5
+        results = {r.result.request_id: r.result for r in pair.pulls.take_results()}
+        assert set(results) == {"d-late-0", "d-late-1", "d-late-2"}
+        assert all(r.outcome is Outcome.FAILED and r.failure is not None and r.failure.value == "shutdown"
+                   for r in results.values()), results
+        assert pair.holds.table_sizes()["early_releases"] == 3  # each released P (before P heard of the hold)
+    finally:
+        pair.close()

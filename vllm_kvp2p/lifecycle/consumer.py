@@ -36,6 +36,7 @@ class Failure(str, Enum):
     TIMEOUT = "timeout"  # the pull ran past pull_timeout
     READ_FAILED = "read_failed"  # a Mooncake read failed
     INTERNAL = "internal"  # a bug: the pull crashed
+    SHUTDOWN = "shutdown"  # the engine is stopping: what was not read yet is not read
 
 # --------------------------------------------------------------------------- scheduler half
 

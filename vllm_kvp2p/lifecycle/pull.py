@@ -305,6 +305,11 @@ class ConsumerPull:
             if st.source == source:
                 st.released = True
 
+    def abort(self, reason: str) -> None:
+        """Stop reading (the engine is stopping): the pull fails and goes straight to the releases."""
+        if self._phase not in (_Phase.RELEASE, _Phase.DONE):
+            self._fail(reason, Failure.SHUTDOWN)
+
     def on_release_failed(self, source: Source) -> None:
         """P rank ``source`` did not answer a release: the instance's other ranks are not tried either (each would
         cost another side-channel timeout, up to ``tp_size`` of them); P's hold timeout frees the blocks."""

@@ -16,13 +16,13 @@ from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL, MAX_EARLY_RELEASES, MAX_HOLDS, ProducerLedger
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
-    Ack,
     Claim,
     ErrorReply,
     GetRegistration,
     RankRegistration,
     Registration,
     Release,
+    Released,
     Renew,
     Reply,
     Request,
@@ -120,11 +120,11 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
                 if isinstance(message, Release):
-                    self.ledger.release(
+                    held = self.ledger.release(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
-                        message.lease_token,
+                        message.lease_token, message.pulled,
                     )
-                    return Ack()
+                    return Released(held)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:
                 self._log_events()

@@ -219,12 +219,19 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     pass
 
 
+class Released(msgspec.Struct, frozen=True, tag="released"):
+    """P's answer to a release: whether the reader's lease held from its claim to this release. A read counts as
+    good only when it did (otherwise the blocks may have been freed and reused under it)."""
+
+    lease_held: bool
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
 Request = Union[GetRegistration, Claim, Renew, Release]
-Reply = Union[Registration, ClaimReply, Ack, ErrorReply]
+Reply = Union[Registration, ClaimReply, Ack, Released, ErrorReply]
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -39,7 +39,15 @@ from vllm_kvp2p.lifecycle.pull import (
     Wait,
 )
 from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.protocol import ClaimReply, GetRegistration, RankRegistration, Registration, Release, Request
+from vllm_kvp2p.protocol import (
+    ClaimReply,
+    GetRegistration,
+    RankRegistration,
+    Registration,
+    Release,
+    Released,
+    Request,
+)
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
@@ -248,15 +256,15 @@ class PullLoop:
                 job.on_batch_done(action.source, False, str(exc))
         elif isinstance(action, SendRelease):
             try:
-                client.request(host, base_port + action.source.p_rank, action.message,
-                               timeout=job.time_left(time.monotonic()))
+                reply = client.request(host, base_port + action.source.p_rank, action.message,
+                                       timeout=job.time_left(time.monotonic()))
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
                 logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "
                                "hold_timeout frees the blocks", plan.request_id, action.source.p_rank, exc)
                 job.on_release_failed(action.source)
                 return
-            job.on_release_sent(action.source)
+            job.on_release_sent(action.source, isinstance(reply, Released) and reply.lease_held)
 
     def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
         """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""

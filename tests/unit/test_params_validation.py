@@ -178,3 +178,29 @@ def test_one_deadline_bounds_the_whole_pull_and_its_releases() -> None:
     finish = job.next_action(26.0)
     assert isinstance(finish, Finish)  # past it: the other ranks' releases are not sent
     assert finish.result.failure is Failure.TIMEOUT
+
+
+def read_then_release(lease_held: bool | None) -> Finish:
+    """A pull that read its one batch; P answers the release with ``lease_held`` (None: no answer)."""
+    job = pull()
+    source = Source(0, 1, (HeadSlice(0, 0, 0, 2),))
+    assert job.on_registration(source, registration())
+    job.on_claim_reply(source, ClaimReply(ClaimStatus.GRANTED, 60.0, lease_token="t"), 0.0)
+    while not isinstance(action := job.next_action(0.0), SendRelease):
+        job.on_batch_done(source, True)
+    assert action.message.pulled and action.message.lease_token == "t"
+    if lease_held is None:
+        job.on_release_failed(source)
+    else:
+        job.on_release_sent(source, lease_held)
+    finish = job.next_action(0.0)
+    assert isinstance(finish, Finish)
+    return finish
+
+
+def test_a_read_counts_only_when_p_confirms_the_lease_held() -> None:
+    assert read_then_release(True).result.outcome.value == "pulled"
+    lost = read_then_release(False).result
+    assert lost.report_failed and lost.failure is Failure.LEASE_LOST and "did not confirm" in lost.reason
+    unanswered = read_then_release(None).result
+    assert unanswered.report_failed and unanswered.failure is Failure.UNREACHABLE

@@ -358,3 +358,25 @@ def test_two_holds_of_one_id_ending_together_reach_vllm_in_two_steps() -> None:
         assert service.take_freed() == set()
     finally:
         service.close()
+
+
+def test_p_confirms_a_read_only_when_the_lease_held_from_claim_to_release() -> None:
+    """Fencing through the end of the read: the release's answer says whether the lease held. A read that
+    outlived its lease may have read blocks P freed and reused; before, D counted it as good all the same."""
+    lg = ledger()  # lease 4 s
+    lg.hold("ok", "h", now=0)
+    t = lg.claim("ok", "h", "d:0", 1, now=1).lease_token
+    assert lg.release("ok", "h", "d:0", 1, now=4.9, lease_token=t, pulled=True) is True
+    assert lg.release("ok", "h", "d:0", 1, now=5.0, lease_token=t, pulled=True) is True  # resent: same answer
+
+    lg.hold("slow", "h", now=0)
+    t = lg.claim("slow", "h", "d:0", 1, now=1).lease_token
+    assert lg.release("slow", "h", "d:0", 1, now=5.5, lease_token=t, pulled=True) is False  # lapsed, not expired
+    lg.hold("gone", "h", now=0)
+    t = lg.claim("gone", "h", "d:0", 1, now=1).lease_token
+    lg.expire(now=6)  # the lease lapsed and P freed the blocks (they may be another request's now)
+    assert "gone" in lg.take_freed()
+    assert lg.release("gone", "h", "d:0", 1, now=7, lease_token=t, pulled=True) is False
+    # Nothing to confirm for a reader that read nothing; a pulled release for a hold P never had is not confirmed.
+    assert lg.release("never", "h", "d:1", 1, now=7, pulled=False) is True
+    assert lg.release("never2", "h", "d:1", 1, now=7, pulled=True) is False

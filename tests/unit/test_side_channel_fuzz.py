@@ -20,7 +20,6 @@ from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.protocol import (
     MAX_TP_SIZE,
-    Ack,
     Claim,
     ClaimReply,
     ClaimStatus,
@@ -28,6 +27,7 @@ from vllm_kvp2p.protocol import (
     RankRegistration,
     Registration,
     Release,
+    Released,
     Renew,
 )
 from vllm_kvp2p.side_channel import SideChannelClient
@@ -163,7 +163,7 @@ def check_service(service: HoldService, client: SideChannelClient, port: int, vi
 
     # The genuine release frees it, unless the attacker joined as another reader (then that reader's lease or
     # hold_timeout decides; it never frees while a lease is live).
-    assert isinstance(client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, victim_token)), Ack)
+    assert isinstance(client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, victim_token)), Released)
     freed = service.take_freed()
     with service._lock:
         hold = service.ledger._holds.get((victim, victim_hold))
@@ -175,7 +175,7 @@ def check_service(service: HoldService, client: SideChannelClient, port: int, vi
     # A hold the attacker cannot name: claim granted, release frees it, exactly once.
     rid, hid = f"fresh-{uuid.uuid4().hex}", uuid.uuid4().hex
     token = genuine_claim(service, client, port, rid, hid)
-    assert isinstance(client.request(HOST, port, Release(rid, hid, READER, 1, True, token)), Ack)
+    assert client.request(HOST, port, Release(rid, hid, READER, 1, True, token)) == Released(lease_held=True)
     assert rid in service.take_freed()
     assert rid not in service.take_freed()
 
@@ -225,7 +225,7 @@ def test_forged_release_and_renew_over_the_wire_keep_the_lease(service: HoldServ
     assert rid not in service.take_freed()
     renewed = client.request(HOST, port, Renew(rid, hid, READER, token))
     assert isinstance(renewed, ClaimReply) and renewed.status is ClaimStatus.GRANTED
-    assert isinstance(client.request(HOST, port, Release(rid, hid, READER, 1, True, token)), Ack)
+    assert isinstance(client.request(HOST, port, Release(rid, hid, READER, 1, True, token)), Released)
     assert rid in service.take_freed()
     counters = service.counters()
     assert counters["release_without_token"] >= 2 and counters["renew_refused"] >= 1
@@ -275,5 +275,5 @@ def test_with_the_secret_no_hostile_frame_reaches_the_ledger(secured: tuple[Hold
     assert dict(service.counters()) == before_counters and service.table_sizes() == before_sizes
     assert victim not in service.take_freed()
     assert isinstance(sealed_client.request(HOST, port, GetRegistration(0)), Registration)
-    assert isinstance(sealed_client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, token)), Ack)
+    assert isinstance(sealed_client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, token)), Released)
     assert victim in service.take_freed()

@@ -73,7 +73,7 @@ def test_a_captured_sealed_frame_cannot_be_replayed(secured: Pair) -> None:
     secured.holds.hold("s-3", "h1")
     frame, nonce = auth.seal_request(protocol.encode(Release("s-3", "h1", "d:9", 2)), time.time_ns() // 10**6)
     first = auth.open_reply(raw_request(secured.port, frame), nonce, time.time_ns() // 10**6)
-    assert isinstance(protocol.decode_reply(first), protocol.Ack)
+    assert isinstance(protocol.decode_reply(first), protocol.Released)
     again = protocol.decode_reply(raw_request(secured.port, frame))
     assert isinstance(again, ErrorReply) and "replayed nonce" in again.message
 

@@ -36,6 +36,7 @@ class Failure(str, Enum):
     TIMEOUT = "timeout"  # the pull ran past pull_timeout
     READ_FAILED = "read_failed"  # a Mooncake read failed
     INTERNAL = "internal"  # a bug: the pull crashed
+    LEASE_LOST = "lease_lost"  # P could not confirm the lease held through the read: it does not count
     SHUTDOWN = "shutdown"  # the engine is stopping: what was not read yet is not read
 
 # --------------------------------------------------------------------------- scheduler half

@@ -77,6 +77,7 @@ class _Hold:
     tokens: dict[str, str] = field(default_factory=dict)  # reader -> token of its (last) claim
     claim_ids: dict[str, str] = field(default_factory=dict)  # reader -> the claim id D chose for it
     released_by: set[str] = field(default_factory=set)
+    confirmed: set[str] = field(default_factory=set)  # readers whose lease held from claim to release
 
     def knows(self, reader: str) -> bool:
         return reader in self.leases or reader in self.released_by
@@ -132,6 +133,7 @@ class ProducerLedger:
         self._early: dict[_Key, _EarlyRelease] = {}
         # Final states of recent holds, so a late claim is refused with the real reason.
         self._tombstones: OrderedDict[_Key, HoldState] = OrderedDict()
+        self._confirmed: dict[_Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
         self._tombstone_limit = tombstones
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
@@ -262,36 +264,51 @@ class ProducerLedger:
         return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease_token)
 
     def release(
-        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = ""
-    ) -> None:
+        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
+        pulled: bool = False,
+    ) -> bool:
+        """The reader is done. Returns whether P confirms what a reader that ``pulled`` needs to count its read
+        as good: its lease held, unbroken, from its claim to this release (the blocks were neither freed nor
+        reused). A reader that did not pull gets True (there is nothing to confirm)."""
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
-            return
+            return False
         expected_readers = self._readers(request_id, expected_readers)
-        hold = self._holds.get((request_id, hold_id))
+        key = (request_id, hold_id)
+        hold = self._holds.get(key)
         if hold is None:
-            final = self._tombstones.get((request_id, hold_id))
+            final = self._tombstones.get(key)
             if final is not None:
+                confirmed = reader in self._confirmed.get(key, ())  # the same release again (its reply was lost)
                 self._event(request_id, f"release by {reader} ignored: hold already {final.value}")
-                return
+                return confirmed or not pulled
             if self._live_ids.get(request_id):
                 self._event(request_id, f"release by {reader} ignored: stale hold id")
-                return
+                return not pulled
             self._remember_early(request_id, hold_id, reader, expected_readers, now)
-            return
+            return not pulled  # P never held it for this reader: nothing it read can be confirmed
         if reader in hold.leases and not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
             self._refuse(request_id, "release_without_token", f"release by {reader} ignored: its lease is live "
                          "and the release does not carry its token")
-            return
+            return False
         if not hold.knows(reader) and hold.num_readers >= MAX_TP_SIZE:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
-            return
+            return False
+        if reader in hold.leases:
+            held = hold.leases[reader] > now  # lapsed but not yet expired: blocks still there, but not promised
+            if held:
+                hold.confirmed.add(reader)
+        else:
+            held = reader in hold.confirmed or not pulled
         hold.expected_readers = max(hold.expected_readers, expected_readers)
         hold.leases.pop(reader, None)
         hold.released_by.add(reader)
         self._maybe_release(hold, "released by all readers")
         if not hold.state.final and not hold.leases:
             self._due(hold.hold_deadline, (request_id, hold_id))  # its hold deadline may have passed under a lease
+        if pulled and not held:
+            self._event(request_id, f"release by {reader}: its lease had lapsed, the read is not confirmed")
+        return held
 
     # ------------------------------------------------------------------ time
 
@@ -393,8 +410,11 @@ class ProducerLedger:
             del self._live_ids[hold.request_id]
         hold.state = state
         self._tombstones[key] = state
+        if hold.confirmed:
+            self._confirmed[key] = frozenset(hold.confirmed)
         while len(self._tombstones) > self._tombstone_limit:
-            self._tombstones.popitem(last=False)
+            forgotten, _ = self._tombstones.popitem(last=False)
+            self._confirmed.pop(forgotten, None)
         self._freed.append(hold.request_id)
         self._event(hold.request_id, f"{state.value}: {why}", reason)
 

@@ -300,9 +300,15 @@ class ConsumerPull:
         if not st.batches:
             self._next_source()
 
-    def on_release_sent(self, source: Source) -> None:
+    def on_release_sent(self, source: Source, lease_held: bool = True) -> None:
+        """P answered the release; ``lease_held``: P confirms the lease held from claim to release. A read from
+        this rank counts only then: otherwise its blocks may have been freed and reused during the read."""
         for st in self._sources:
             if st.source == source:
+                if self._pulled(st.source) and not lease_held:
+                    self._failure = (f"P rank {source.p_rank} did not confirm that the lease held through the read "
+                                     "(it lapsed: the blocks may have been freed during the read)")
+                    self._kind = Failure.LEASE_LOST
                 st.released = True
 
     def abort(self, reason: str) -> None:
@@ -312,7 +318,11 @@ class ConsumerPull:
 
     def on_release_failed(self, source: Source) -> None:
         """P rank ``source`` did not answer a release: the instance's other ranks are not tried either (each would
-        cost another side-channel timeout, up to ``tp_size`` of them); P's hold timeout frees the blocks."""
+        cost another side-channel timeout, up to ``tp_size`` of them); P's hold timeout frees the blocks. A read
+        from it cannot be confirmed, so it does not count."""
+        if self._pulled(source):
+            self._failure = f"P rank {source.p_rank} did not answer the release: the read cannot be confirmed"
+            self._kind = Failure.UNREACHABLE
         self._give_up_releases()
 
     @property
@@ -346,17 +356,23 @@ class ConsumerPull:
 
     def _give_up_releases(self) -> None:
         for st in self._sources:
+            if not st.released and self._pulled(st.source):  # a read P never confirmed does not count
+                self._failure = f"no release answered by P rank {st.source.p_rank} in time: the read is not confirmed"
+                self._kind = Failure.TIMEOUT
             st.released = True
 
     def _claim(self, source: Source) -> Claim:
         r = self.plan.remote
         return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, self.claim_id)
 
+    def _pulled(self, source: Source) -> bool:
+        """Whether this pull read from ``source`` and still counts that read (so P's confirmation matters)."""
+        return not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
+
     def _release(self, st: _SourceState) -> Release:
         r, source = self.plan.remote, st.source
-        pulled = not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
-        return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, pulled,
-                       st.lease_token)
+        return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
+                       self._pulled(source), st.lease_token)
 
     def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
         """Each KV-cache group's planes with that group's block ids (one group: all planes)."""

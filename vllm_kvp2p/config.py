@@ -56,6 +56,9 @@ class KVP2PConfig:
     transfer_timeout: float = 30.0
     # Upper bound of one side-channel round trip (handshake, claim, release).
     side_channel_timeout: float = 5.0
+    # Seconds D keeps a P that did not answer as suspect: plans for it first probe it with one short round trip
+    # and fail at once without an answer, instead of each paying the full side-channel timeouts.
+    suspect_time: float = 10.0
     # How long D keeps retrying a claim P has not heard of yet (P learns of a hold one engine step late).
     claim_wait: float = 10.0
     # Seconds an engine step that schedules no token sleeps. vLLM keeps stepping while P holds blocks or D waits
@@ -143,7 +146,7 @@ class KVP2PConfig:
                 "15000..17000; allowed values are 1024..14999 or 17001..65000"
             )
         for name in ("hold_timeout", "lease_timeout", "side_channel_timeout", "claim_wait", "pull_timeout",
-                     "clock_skew"):
+                     "clock_skew", "suspect_time"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value}: allowed values are numbers of seconds > 0")
@@ -295,6 +298,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "worker_busy_poll": _as_float,
     "kv_arena": _as_bool,
     "pull_timeout": _as_float,
+    "suspect_time": _as_float,
     "peer_ports": _as_str,
     "secret_file": _as_str,
     "clock_skew": _as_float,

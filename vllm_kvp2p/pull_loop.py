@@ -48,7 +48,7 @@ from vllm_kvp2p.protocol import (
     Released,
     Request,
 )
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
+from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
@@ -93,6 +93,7 @@ class PullLoop:
         max_threads: int = 4,
         pull_timeout: float = 60.0,
         auth: Authenticator | None = None,
+        suspect_time: float = 10.0,
     ) -> None:
         self.engine = engine
         self.reader = reader
@@ -105,6 +106,10 @@ class PullLoop:
         self.after_pull = after_pull
         self.pull_timeout = pull_timeout
         self.auth = auth
+        # P instances (host, base port) that did not answer, until when: a plan for one first probes it (a short
+        # round trip) and fails at once if that gets no answer, instead of paying the full timeouts again.
+        self.suspect_time = suspect_time
+        self._suspects: dict[tuple[str, int], float] = {}
         if auth is None:
             logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "
                            "params name within peer_ports; docs/security.md", tp_rank)
@@ -171,25 +176,37 @@ class PullLoop:
                 if plan is None:
                     return
                 t0 = time.perf_counter()
+                published: list[PullResult] = []
+
+                def publish(result: PullResult, t0: float = t0, published: list[PullResult] = published) -> None:
+                    if not published:  # exactly one result per plan
+                        published.append(result)
+                        with self._results_lock:
+                            self._results.append(TimedResult(result, time.perf_counter() - t0))
+
                 try:
-                    result = self._handle_request(plan, client)
+                    publish(self._handle_request(plan, client, publish))
                 except Exception as exc:  # never lose a plan: vLLM would wait for it forever
                     logger.exception("pull of %s crashed", plan.request_id)
-                    result = _crash_result(plan, exc)
+                    publish(_crash_result(plan, exc))
                     self._release_after_crash(plan, client)
-                with self._results_lock:
-                    self._results.append(TimedResult(result, time.perf_counter() - t0))
         finally:
             client.close()
 
-    def _handle_request(self, plan: PullPlan, client: SideChannelClient) -> PullResult:
+    def _handle_request(
+        self, plan: PullPlan, client: SideChannelClient, publish: Callable[[PullResult], None]
+    ) -> PullResult:
         """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
-        must be told (only when it is waiting for the receive)."""
+        must be told (only when it is waiting for the receive). A failure is published at once, before the
+        releases (they cannot change it); a success only once P confirmed it at release."""
         try:
             sources = self.sources_for(plan.remote.tp_size) if plan.contact_p else ()
         except UnsupportedLayout as exc:
             plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}", failure=Failure.INCOMPATIBLE)
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
+        instance = (plan.remote.remote_host, plan.remote.remote_port)
+        if sources and not plan.error:
+            plan = self._check_suspect(plan, instance, sources[0], client)
         job = ConsumerPull(
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
@@ -205,7 +222,10 @@ class PullLoop:
             if isinstance(action, Finish):
                 if job.failed:
                     self._forget(host, base_port, sources)
+                self._note_outcome(instance, action.result)
                 return action.result
+            if job.failed:
+                publish(job.result())
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
                 logger.warning("pull of %s: %s with P rank %d took %.1f s", plan.request_id,
@@ -255,9 +275,13 @@ class PullLoop:
             except TransferEngineError as exc:
                 job.on_batch_done(action.source, False, str(exc))
         elif isinstance(action, SendRelease):
+            budget = job.time_left(time.monotonic())
+            if job.failed and job.result().failure is Failure.UNREACHABLE:
+                # P just did not answer: one short try, so that the lane is free for the next plan; P's hold
+                # timeout frees the blocks if this one is lost too.
+                budget = min(budget, PROBE_TIMEOUT_S)
             try:
-                reply = client.request(host, base_port + action.source.p_rank, action.message,
-                                       timeout=job.time_left(time.monotonic()))
+                reply = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget)
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
                 logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "
@@ -299,6 +323,34 @@ class PullLoop:
         if not isinstance(reply, Registration):
             return None, f"unexpected reply {type(reply).__name__}"
         return reply.registration, ""
+
+    def _check_suspect(
+        self, plan: PullPlan, instance: tuple[str, int], source: Source, client: SideChannelClient
+    ) -> PullPlan:
+        """A P that recently did not answer: one short round trip first. No answer: the plan fails at once (and
+        contacts it no more); an answer: it is trusted again."""
+        until = self._suspects.get(instance)
+        if until is None:
+            return plan
+        if time.monotonic() >= until:
+            self._suspects.pop(instance, None)
+            return plan
+        host, base_port = instance
+        try:
+            client.request(host, base_port + source.p_rank, GetRegistration(source.p_rank), timeout=PROBE_TIMEOUT_S)
+        except SideChannelError as exc:
+            return dataclasses.replace(
+                plan, failure=Failure.UNREACHABLE, contact_p=False,
+                error=f"P at {host}:{base_port} did not answer lately and does not answer a probe now: {exc}",
+            )
+        self._suspects.pop(instance, None)
+        return plan
+
+    def _note_outcome(self, instance: tuple[str, int], result: PullResult) -> None:
+        if result.failure is Failure.UNREACHABLE:
+            self._suspects[instance] = time.monotonic() + self.suspect_time
+        elif result.outcome is not Outcome.FAILED:
+            self._suspects.pop(instance, None)
 
     def _forget(self, host: str, base_port: int, sources: tuple[Source, ...]) -> None:
         """A failed pull drops the registrations it used: the next pull from that P fetches and checks afresh."""

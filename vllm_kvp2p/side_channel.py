@@ -9,6 +9,7 @@ answered with a plain error and counted in :attr:`SideChannelServer.dropped`.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
@@ -42,6 +43,27 @@ def _now_ms() -> int:
 
 class SideChannelError(RuntimeError):
     """A side-channel peer could not be reached or answered nonsense."""
+
+
+class PeerRefused(SideChannelError):
+    """Nothing listens at the peer's address (connection refused): the process is gone, not slow."""
+
+
+#: How long the plain TCP probe that tells a dead peer from a slow one may take.
+PROBE_TIMEOUT_S = 0.5
+
+
+def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
+    """Whether something accepts TCP connections at ``host:port``: False when refused (a dead process: the
+    kernel answers at once), None when unknown within ``timeout`` (a cut-off host; a frozen process still
+    accepts). ZMQ's REQ sockets hide refusals and reconnect silently, so this is asked separately."""
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
 
 
 class SideChannelServer:
@@ -153,15 +175,25 @@ class SideChannelClient:
         budget = self.timeout if timeout is None else min(timeout, self.timeout)
         timeout_ms = max(100, int(budget * 1000 / self.attempts))
         error: Exception | None = None
+        if address not in self._socks:
+            self._refuse_if_dead(host, port, address, timeout_ms)
         for _ in range(self.attempts):
             try:
                 return self._once(address, message, timeout_ms)
             except zmq.ZMQError as exc:
                 self._drop(address)
                 error = exc
+                self._refuse_if_dead(host, port, address, timeout_ms)
         raise SideChannelError(
             f"no answer from {address} in {self.attempts} attempts of {timeout_ms} ms: {error}"
         ) from error
+
+    @staticmethod
+    def _refuse_if_dead(host: str, port: int, address: str, timeout_ms: int) -> None:
+        """A new connection, or an attempt that got no answer: if nothing listens there, say so now instead of
+        waiting out the other attempts."""
+        if probe(host, port, min(PROBE_TIMEOUT_S, timeout_ms / 1000)) is False:
+            raise PeerRefused(f"connection refused by {address}: no side channel listens there (P is not running)")
 
     def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:
         sock = self._socks.get(endpoint)

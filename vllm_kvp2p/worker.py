@@ -223,6 +223,7 @@ class WorkerSide:
                 local=local,
                 side_channel_timeout=config.side_channel_timeout,
                 pull_timeout=config.pull_timeout,
+                suspect_time=config.suspect_time,
                 auth=auth,
                 claim_wait=config.claim_wait,
                 max_batch_entries=config.max_batch_entries,

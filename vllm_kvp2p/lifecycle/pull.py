@@ -329,6 +329,10 @@ class ConsumerPull:
     def failed(self) -> bool:
         return bool(self._failure)
 
+    def result(self) -> PullResult:
+        """The result as it stands (final once failed: the releases that follow cannot change a failure)."""
+        return self._result if self._result is not None else self._make_result()
+
     def time_left(self, now: float) -> float:
         """Seconds the next action may take: what is left of the pull's budget, or of the releases' once failed or
         done (a side-channel call is given no more)."""

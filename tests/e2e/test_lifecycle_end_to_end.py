@@ -125,9 +125,39 @@ def test_claim_after_hold_expired_is_refused_and_d_recomputes(cluster: Cluster, 
     assert wait_kv_idle(cluster.decode) == 0.0
 
 
+SIDE_CHANNEL_TIMEOUT = 5.0  # D's default
+MARGIN_S = 2.0  # a loaded 2-core machine: HTTP, D's own recompute of the prompt, scheduling
+
+
+def test_frozen_prefill_costs_one_side_channel_timeout_and_is_used_again_once_it_thaws(
+        cluster: Cluster, spare_prefill: VllmServer) -> None:
+    prompt = prompt_ids(200, seed=81)
+    params = prefill_on(spare_prefill, prompt)
+    pgid = os.getpgid(spare_prefill.pid)
+    os.killpg(pgid, signal.SIGSTOP)  # frozen: its side channel still accepts connections, but never answers
+    try:
+        t0 = time.monotonic()
+        out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and report["failure"] == "unreachable", report
+    assert took < SIDE_CHANNEL_TIMEOUT + 1 + MARGIN_S, took  # before: 12.2 s (the claim's timeout, then the release's)
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+    # Thawed: the next request from it pulls again (the probe of the suspect P is answered).
+    prompt = prompt_ids(200, seed=82)
+    out = post(cluster.decode.url + "/v1/completions",
+               completion_body(prompt, kv_transfer_params=prefill_on(spare_prefill, prompt)))
+    assert out["kv_transfer_params"][PULL_REPORT_KEY]["ok"], out["kv_transfer_params"]
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+
+
 def test_prefill_killed_while_decode_pulls(cluster: Cluster, spare_prefill: VllmServer) -> None:
     prompt = prompt_ids(220, seed=71)
     params = prefill_on(spare_prefill, prompt)
+    later_prompt = prompt_ids(160, seed=72)
+    later_params = prefill_on(spare_prefill, later_prompt)  # D gets these only after P is dead
     pgid = os.getpgid(spare_prefill.pid)
     os.killpg(pgid, signal.SIGSTOP)  # P freezes: D's claim hangs on it
     result: dict[str, Any] = {}
@@ -146,7 +176,14 @@ def test_prefill_killed_while_decode_pulls(cluster: Cluster, spare_prefill: Vllm
 
     report = result["out"]["kv_transfer_params"][PULL_REPORT_KEY]
     assert not report["ok"]
-    assert result["seconds"] < 30  # bounded by side_channel_timeout / transfer_timeout, not by P
+    assert result["seconds"] < SIDE_CHANNEL_TIMEOUT + 1 + MARGIN_S, result["seconds"]
     assert max_logprob_gap(result["out"], baseline(cluster, prompt)) <= LOGPROB_TOL
+    # A request for the dead P: its port refuses, D answers at once (before: 10.1 s).
+    t0 = time.monotonic()
+    out = post(cluster.decode.url + "/v1/completions", completion_body(later_prompt, kv_transfer_params=later_params))
+    took = time.monotonic() - t0
+    assert not out["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
+    assert took < 2.0 + MARGIN_S, took
+    assert max_logprob_gap(out, baseline(cluster, later_prompt)) <= LOGPROB_TOL
     assert httpx.get(cluster.decode.url + "/health", timeout=5).status_code == 200
     assert wait_kv_idle(cluster.decode) == 0.0

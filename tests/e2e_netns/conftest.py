@@ -189,7 +189,7 @@ class NetnsPair:
 def pair(network: Network, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsPair]:
     """P and D with no host settings at all."""
     with NetnsPair(network, tiny_model_dir, tmp_path_factory.mktemp("netns-logs"), NO_HOST_SETTINGS,
-                   prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60"}) as p:
+                   prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "20"}) as p:  # the cut-off test's hold expires
         yield p
 
 

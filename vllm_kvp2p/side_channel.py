@@ -81,7 +81,8 @@ class SideChannelServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IPV6, 1)  # IPv6 addresses too (IPv4 ones work either way)
+        # Only for an IPv6 address: with it an IPv4 one would be bound as an IPv4-mapped IPv6 socket.
+        self._sock.setsockopt(zmq.IPV6, int(":" in host))
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             self._sock.bind(self.address)
@@ -199,7 +200,7 @@ class SideChannelClient:
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.REQ)
-            for opt, value in ((zmq.LINGER, 0), (zmq.IPV6, 1), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
+            for opt, value in ((zmq.LINGER, 0), (zmq.IPV6, int("[" in endpoint)), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
                 sock.setsockopt(opt, value)
             sock.connect(endpoint)
             self._socks[endpoint] = sock

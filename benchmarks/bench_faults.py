@@ -56,8 +56,8 @@ def start(model: Path, connector: str, role: str, cpus: str, log: Path) -> VllmS
     return server
 
 
-def completion(prompt: list[int], params: dict | None = None) -> dict:
-    body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+def completion(prompt: list[int], params: dict | None = None, max_tokens: int = 8) -> dict:
+    body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if params is not None:
         body["kv_transfer_params"] = params
     return body
@@ -72,7 +72,7 @@ def run(connector: str, faults: list[str], reps: int, model: Path, logs: Path) -
                 prefill = start(model, connector, "kv_producer", "0", logs / f"{connector}-{fault}-{rep}.log")
                 prompts = [[(7 * i + 13 * rep + 29 * j) % 500 + 4 for i in range(160)] for j in range(2)]
                 try:
-                    params = [post(prefill.url + "/v1/completions", completion(p, {"do_remote_decode": True}))
+                    params = [post(prefill.url + "/v1/completions", completion(p, {"do_remote_decode": True}, 1))
                               ["kv_transfer_params"] for p in prompts]
                     os.killpg(os.getpgid(prefill.pid), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                     times = []
@@ -80,6 +80,8 @@ def run(connector: str, faults: list[str], reps: int, model: Path, logs: Path) -
                         t0 = time.monotonic()
                         out = post(decode.url + "/v1/completions", completion(prompt, p))
                         times.append(time.monotonic() - t0)
+                        report = (out.get("kv_transfer_params") or {}).get("kvp2p_pull", {})
+                        assert connector != "kvp2p" or report.get("failure") == "unreachable", report
                         expected = post(decode.url + "/v1/completions", completion(prompt))
                         assert out["choices"][0]["text"] == expected["choices"][0]["text"], "wrong answer"
                     rows.append({"connector": connector, "fault": fault, "rep": rep, "first_s": round(times[0], 2),

@@ -175,16 +175,21 @@ class SideChannelClient:
         address = endpoint(host, port)
         budget = self.timeout if timeout is None else min(timeout, self.timeout)
         timeout_ms = max(100, int(budget * 1000 / self.attempts))
+        # The first attempt is short: a peer that just died may still accept the connection for a moment, and
+        # the probe after a missed answer then tells it at once. A slow peer only gets the message resent.
+        first_ms = min(timeout_ms, int(PROBE_TIMEOUT_S * 1000)) if self.attempts > 1 else timeout_ms
+        rest_ms = max(100, (int(budget * 1000) - first_ms) // max(1, self.attempts - 1))
         error: Exception | None = None
         if address not in self._socks:
             self._refuse_if_dead(host, port, address, timeout_ms)
-        for _ in range(self.attempts):
+        for attempt in range(self.attempts):
             try:
-                return self._once(address, message, timeout_ms)
+                return self._once(address, message, first_ms if attempt == 0 else rest_ms)
             except zmq.ZMQError as exc:
                 self._drop(address)
                 error = exc
                 self._refuse_if_dead(host, port, address, timeout_ms)
+        timeout_ms = rest_ms
         raise SideChannelError(
             f"no answer from {address} in {self.attempts} attempts of {timeout_ms} ms: {error}"
         ) from error

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from vllm_kvp2p.kv_groups import STATE, KVGroup, single_full_group
+from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.protocol import PROTOCOL_VERSION, Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
+from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
@@ -240,7 +241,7 @@ class ConsumerPull:
         if registration is None:
             self._fail(f"no registration from P rank {source.p_rank}: {error}", Failure.UNREACHABLE)
             return False
-        problem = self._incompatible(source, registration)
+        problem = registration_problem(self.plan, self.local, source, registration)
         if problem:
             self._fail(f"P rank {source.p_rank} is incompatible: {problem}", Failure.INCOMPATIBLE)
             return False
@@ -428,51 +429,6 @@ class ConsumerPull:
             out.lengths.extend(d.lengths)
         return out
 
-    def _incompatible(self, source: Source, reg: RankRegistration) -> str:
-        """Why this registration must not be used for this plan ("" if it may): it is checked against the params
-        (who P is) and against this D (what the KV holds) before it is cached or read."""
-        r, local = self.plan.remote, self.local
-        if reg.protocol_version != PROTOCOL_VERSION:
-            return f"protocol version: P speaks {reg.protocol_version}, D {PROTOCOL_VERSION} (same release on both)"
-        if reg.engine_id != r.remote_engine_id:
-            return f"its side channel answers for engine {reg.engine_id}, the params name engine {r.remote_engine_id}"
-        if r.remote_incarnation and reg.incarnation != r.remote_incarnation:
-            return (f"P restarted: the params are from incarnation {r.remote_incarnation}, its side channel serves "
-                    f"{reg.incarnation or 'none'}")
-        if reg.tp_rank != source.p_rank or reg.tp_size != r.tp_size:
-            return f"it is rank {reg.tp_rank} of {reg.tp_size}, the params name rank {source.p_rank} of {r.tp_size}"
-        segment_host = reg.segment.rpartition(":")[0].strip("[]")
-        if segment_host != r.remote_host.strip("[]"):
-            return (f"its Mooncake segment {reg.segment!r} is not on the params' host {r.remote_host!r}; D reads only "
-                    "from the host it was sent to")
-        if local.model_fingerprint and reg.model_fingerprint != local.model_fingerprint:
-            return (f"model: P serves fingerprint {reg.model_fingerprint or 'none'}, D {local.model_fingerprint} "
-                    "(the same model on both, vllm_kvp2p/identity.py)")
-        if reg.num_blocks <= max((b for ids in self.plan.remote_block_ids for b in ids), default=-1):
-            return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.tp_rank}"
-        if len(reg.layer_names) != len(local.layer_names):
-            return f"P has {len(reg.layer_names)} KV layers, D has {len(local.layer_names)}"
-        if reg.dtype != local.dtype:
-            return f"KV cache dtype: P uses {reg.dtype}, D uses {local.dtype}"
-        if reg.use_mla != local.use_mla:
-            return f"MLA: P {reg.use_mla}, D {local.use_mla}"
-        if reg.total_num_kv_heads != local.total_num_kv_heads:
-            return f"total KV heads: P has {reg.total_num_kv_heads}, D has {local.total_num_kv_heads}"
-        if len(reg.planes) != len(local.planes):
-            return f"P has {len(reg.planes)} KV planes, D has {len(local.planes)}"
-        if _kinds(reg.kv_groups()) != _kinds(local.kv_groups()) or reg.group_of_planes() != local.group_of_planes():
-            return (f"KV-cache groups: P has {_groups_text(reg.kv_groups())}, D has {_groups_text(local.kv_groups())} "
-                    "(the same model on both, with the hybrid allocator on both or off on both)")
-        for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
-            if p_sh.inner_bytes != d_sh.inner_bytes:
-                return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
-        if any(g.kind == STATE for g in local.kv_groups()) and reg.tp_size != local.tp_size:
-            return (f"tensor parallel size: P {reg.tp_size}, D {local.tp_size}; models with a linear-attention "
-                    "state need the same on both")
-        if reg.block_size % local.block_size and local.block_size % reg.block_size:
-            return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
-        return ""
-
     def _make_result(self) -> PullResult:
         plan = self.plan
         if self._failure:
@@ -492,15 +448,6 @@ class ConsumerPull:
             reason=self._failure,
             failure=self._kind if outcome is Outcome.FAILED else None,
         )
-
-
-def _kinds(groups: Sequence[KVGroup]) -> list[tuple[str, int]]:
-    """What must match between P and D (block sizes are checked on their own: without HMA they may differ)."""
-    return [(g.kind, g.sliding_window) for g in groups]
-
-
-def _groups_text(groups: Sequence[KVGroup]) -> str:
-    return "[" + ", ".join(g.describe() for g in groups) + "]"
 
 
 def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -72,6 +74,82 @@ def closed_port_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+class DroppingServer:
+    """A raw TCP "P" that reads each HTTP request in full, then hangs up without answering.
+
+    ``mode="close"`` closes cleanly (the client sees the server disconnect without a response), ``mode="reset"``
+    aborts with an RST (connection reset), as a P whose process died would. ``attempts`` counts the requests.
+    """
+
+    def __init__(self, mode: str, delay_s: float = 0.0) -> None:
+        assert mode in ("close", "reset")
+        self.mode = mode
+        self.delay_s = delay_s
+        self.attempts = 0
+        self._lock = threading.Lock()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._drop, args=(conn,), daemon=True).start()
+
+    def _drop(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5.0)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, rest = data.partition(b"\r\n\r\n")
+            fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+            length = int({k.strip().lower(): v for k, v in fields.items()}.get(b"content-length", b"0"))
+            while len(rest) < length:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                rest += chunk
+            with self._lock:
+                self.attempts += 1
+            time.sleep(self.delay_s)
+            if self.mode == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5.0)
+        self.sock.close()
+
+
+@pytest.fixture
+def dropping() -> Iterator[Callable[..., DroppingServer]]:
+    """``dropping(mode, delay_s=0.0) -> DroppingServer``; stopped after the test."""
+    started: list[DroppingServer] = []
+
+    def start(mode: str, delay_s: float = 0.0) -> DroppingServer:
+        srv = DroppingServer(mode, delay_s)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -302,6 +380,34 @@ def test_balancer_release_paths() -> None:
         LeastOutstandingBalancer([])
     with pytest.raises(ValueError):
         LeastOutstandingBalancer(["a", "a"])
+
+
+def test_balancer_exclude() -> None:
+    b = LeastOutstandingBalancer(["a", "b", "c"])
+    assert b.acquire(exclude="a") == "b"  # a would be next in round robin
+    assert b.acquire(exclude="c") == "a"  # least outstanding among a and b (0 vs 1)
+    # a=1, b=1, c=0: c is the least loaded, but excluded -> tie a/b broken round robin from the cursor (b).
+    assert b.acquire(exclude="c") == "b"
+    assert [e["outstanding"] for e in b.snapshot()] == [1, 2, 0]
+    assert [e["served"] for e in b.snapshot()] == [1, 2, 0]
+    for u in ("a", "b", "b"):
+        b.release(u)
+    # Idle again: the excluded url is skipped, the rest keeps the plain round-robin order.
+    picks = []
+    for _ in range(4):
+        u = b.acquire(exclude="b")
+        picks.append(u)
+        b.release(u)
+    assert picks == ["c", "a", "c", "a"]
+    assert b.acquire() == "b"  # without exclude, b is back in the rotation
+    b.release("b")
+    # A single instance is returned even when excluded (a retry then goes to the same one).
+    single = LeastOutstandingBalancer(["only"])
+    assert single.acquire(exclude="only") == "only"
+    assert single.outstanding("only") == 1
+    with pytest.raises(KeyError):
+        b.acquire(exclude="nope")
+    assert [e["outstanding"] for e in b.snapshot()] == [0, 0, 0]
 
 
 def test_prefill_body() -> None:
@@ -662,3 +768,171 @@ def test_console_script_serves_and_imports_light(stubs: dict[str, Stub]) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prefill retry: once, on another P, only when P went away before answering.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def proxy_health(url: str) -> dict[str, Any]:
+    resp = httpx.get(url + "/health", timeout=CLIENT_TIMEOUT)
+    assert resp.status_code == 200
+    return dict(resp.json())
+
+
+def retry_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "vllm_kvp2p.proxy" and r.levelno == logging.WARNING and "retrying once" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("failure", "error_name"),
+    [("refused", "ConnectError"), ("close", "RemoteProtocolError"), ("reset", "ReadError")],
+)
+def test_prefill_retried_on_other_instance_when_p_gone(
+    stubs: dict[str, Stub],
+    make_proxy: Callable[..., str],
+    dropping: Callable[..., DroppingServer],
+    caplog: pytest.LogCaptureFixture,
+    failure: str,
+    error_name: str,
+) -> None:
+    dead_srv = None if failure == "refused" else dropping(failure)
+    dead = closed_port_url() if dead_srv is None else dead_srv.url
+    # The dead P is first: a fresh balancer picks it first, so every request below needs the retry.
+    url = make_proxy([dead, stubs["P1"].url], [stubs["D0"].url])
+    caplog.set_level(logging.WARNING, logger="vllm_kvp2p.proxy")
+    for i, stream in enumerate((False, True)):
+        rid = f"retry-{failure}-{i}"
+        r = httpx.post(
+            url + "/v1/completions",
+            json={**COMPLETION, "stream": stream},
+            headers={"X-Request-Id": rid},
+            timeout=CLIENT_TIMEOUT,
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvp2p-prefill-instance"] == stubs["P1"].url
+        if stream:
+            assert r.content == b"".join(sse_events("D0"))
+        else:
+            assert r.json()["choices"][0]["text"] == "D0 answer"
+        (warning,) = [w for w in retry_warnings(caplog) if rid in w]
+        assert dead in warning and error_name in warning and warning.endswith(f"retrying once on {stubs['P1'].url}")
+    assert len(stubs["P1"].received) == 2
+    assert [d["body"]["kv_transfer_params"]["remote_engine_id"] for d in stubs["D0"].received] == ["engine-P1"] * 2
+    if dead_srv is not None:
+        assert dead_srv.attempts == 2  # once per request, never twice on the dead one
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 2
+    assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0]
+    assert [e["served"] for e in health["prefill"]] == [2, 2]
+
+
+def test_prefill_retry_single_dead_p_is_502(
+    stubs: dict[str, Stub],
+    make_proxy: Callable[..., str],
+    dropping: Callable[..., DroppingServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dead = dropping("close")
+    url = make_proxy([dead.url], [stubs["D0"].url])
+    caplog.set_level(logging.WARNING, logger="vllm_kvp2p.proxy")
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "lone"}, timeout=CLIENT_TIMEOUT)
+    message = assert_openai_error(r, 502, "prefill", dead.url, "RemoteProtocolError", "after a retry; first:")
+    assert message.count(dead.url) == 2  # the retry's failure, then the first one
+    assert dead.attempts == 2  # tried exactly twice: once, then the one retry on the same (only) P
+    (warning,) = retry_warnings(caplog)
+    assert "lone" in warning and warning.endswith(f"retrying once on {dead.url}")
+    assert stubs["D0"].received == []
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 1
+    assert health["prefill"] == [{"url": dead.url, "outstanding": 0, "served": 2}]
+
+
+@pytest.mark.parametrize("mode", ["500", "400"])
+def test_prefill_http_error_not_retried(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """An HTTP answer comes from a live P: no retry, although a healthy P1 would have answered."""
+    url = make_proxy([stubs["P0"].url, stubs["P1"].url], [stubs["D0"].url])
+    caplog.set_level(logging.WARNING, logger="vllm_kvp2p.proxy")
+    stubs["P0"].mode = mode
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    if mode == "500":
+        message = assert_openai_error(r, 502, "prefill", stubs["P0"].url, "500")
+        assert "retry" not in message
+    else:
+        assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
+    assert len(stubs["P0"].received) == 1 and stubs["P1"].received == [] and stubs["D0"].received == []
+    assert retry_warnings(caplog) == []
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 0
+    assert [e["outstanding"] for e in health["prefill"]] == [0, 0]
+
+
+def test_prefill_timeout_not_retried(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slow P is not given up on for another: that would double the load exactly when P is overloaded."""
+    url = make_proxy([stubs["P0"].url, stubs["P1"].url], [stubs["D0"].url], timeout_s=0.5)
+    caplog.set_level(logging.WARNING, logger="vllm_kvp2p.proxy")
+    stubs["P0"].mode = "hang"
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert time.monotonic() - t0 < 3.0
+    message = assert_openai_error(r, 504, "prefill", stubs["P0"].url, "timed out")
+    assert "retry" not in message
+    assert len(stubs["P0"].received) == 1 and stubs["P1"].received == []
+    assert retry_warnings(caplog) == []
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 0
+    assert [e["outstanding"] for e in health["prefill"]] == [0, 0]
+
+
+def test_prefill_retry_shares_the_deadline(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], dropping: Callable[..., DroppingServer]
+) -> None:
+    """The retry gets what is left of the request's deadline: P0 uses half of it, P1 needs more than the rest."""
+    dead = dropping("close", delay_s=0.5)
+    url = make_proxy([dead.url, stubs["P1"].url], [stubs["D0"].url], timeout_s=1.0)
+    stubs["P1"].delay_s = 0.8  # within a fresh 1 s deadline, not within the ~0.5 s left of the first one
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    elapsed = time.monotonic() - t0
+    assert_openai_error(r, 504, "prefill", stubs["P1"].url, "timed out", "after a retry; first:", dead.url)
+    assert elapsed < 1.3 + 0.5, elapsed  # ~1 s, the one deadline (a fresh one would answer 200 after ~1.3 s)
+    assert dead.attempts == 1 and len(stubs["P1"].received) == 1 and stubs["D0"].received == []
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 1
+    assert [e["outstanding"] for e in health["prefill"]] == [0, 0]
+
+
+def test_prefill_retry_skips_failed_p_even_when_least_loaded(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], dropping: Callable[..., DroppingServer]
+) -> None:
+    """While P1 is busy, the dead P0 is the least loaded: the retry must still go to P1, not back to P0."""
+    dead = dropping("close")
+    url = make_proxy([dead.url, stubs["P1"].url], [stubs["D0"].url])
+    stubs["P1"].delay_s = 1.0
+    results: list[httpx.Response] = []
+    first = threading.Thread(
+        target=lambda: results.append(httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT))
+    )
+    first.start()
+    deadline = time.monotonic() + 5.0
+    while not stubs["P1"].received:  # the first request, retried onto P1, is now outstanding there
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert proxy_health(url)["prefill"][1]["outstanding"] == 1
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    first.join(timeout=10.0)
+    assert [x.status_code for x in (*results, r)] == [200, 200], r.text
+    assert r.headers["x-kvp2p-prefill-instance"] == stubs["P1"].url
+    assert dead.attempts == 2 and len(stubs["P1"].received) == 2
+    health = proxy_health(url)
+    assert health["prefill_retries"] == 2
+    assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0]

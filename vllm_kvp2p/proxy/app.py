@@ -10,6 +10,12 @@ client, least-outstanding balancing, bounded time everywhere, upstream failures 
 errors naming the instance (4xx passed through), mid-stream failures ending the SSE stream with an error event,
 and outstanding counts released on every path, client disconnects included.
 
+The prefill step is retried once, on another P when there is one, when P went away before answering (connection
+refused, reset, or closed without a response): it is idempotent (a lost answer only leaves a hold on P, which
+P's hold timeout frees), so a P that died or restarted costs the client nothing. Timeouts are not retried (a
+slow P would get the same work twice), nor HTTP answers (a 4xx/5xx comes from a live P); the retry gets only
+what is left of the request's deadline. Retries are logged and counted in /health (``prefill_retries``).
+
 Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-only box.
 """
 
@@ -64,6 +70,24 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
 
+#: Transport failures that mean P went away before answering: refused, reset, closed without a response.
+#: Timeouts (``httpx.TimeoutException``, the overall deadline) are deliberately not here.
+RETRYABLE_PREFILL_ERRORS: tuple[type[httpx.HTTPError], ...] = (
+    httpx.ConnectError,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
+
+
+class PrefillLost(ProxyError):
+    """P went away before answering (one of :data:`RETRYABLE_PREFILL_ERRORS`): the prefill can be retried."""
+
+    def __init__(self, err: ProxyError, cause: BaseException) -> None:
+        super().__init__(err.status, err.message, err.err_type)
+        #: The transport error, e.g. ``ConnectError: [Errno 111] Connection refused``.
+        self.cause = describe(cause)
+
 
 class PDProxy:
     """State shared by all requests: the balancers, the HTTP client and the limits."""
@@ -86,6 +110,8 @@ class PDProxy:
         self.connect_timeout_s = connect_timeout_s
         self.health_probe_timeout_s = health_probe_timeout_s
         self.max_connections = max_connections
+        #: Prefill requests retried because their first P went away before answering (see the module doc).
+        self.prefill_retries = 0
         self._client: httpx.AsyncClient | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -134,10 +160,15 @@ class PDProxy:
     async def _prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
     ) -> dict[str, Any]:
-        """Run the prefill on ``url``; return the ``kv_transfer_params`` that D needs."""
+        """Run the prefill on ``url``; return the ``kv_transfer_params`` that D needs.
+
+        Raises :class:`PrefillLost` if P went away before answering, any other :class:`ProxyError` otherwise.
+        """
         try:
             with anyio.fail_after(self._remaining(deadline)):
                 resp = await self.client.post(url + path, json=body, headers=headers)
+        except RETRYABLE_PREFILL_ERRORS as exc:
+            raise PrefillLost(upstream_failure("prefill", url, exc, self.timeout_s), exc) from exc
         except (TimeoutError, httpx.HTTPError) as exc:
             raise upstream_failure("prefill", url, exc, self.timeout_s) from exc
         check_status("prefill", url, resp, {"X-Request-Id": rid})
@@ -158,6 +189,38 @@ class PDProxy:
                 "kv_transfer_error",
             )
         return kv
+
+    async def _prefill_with_retry(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
+    ) -> tuple[str, dict[str, Any]]:
+        """Prefill on the least-loaded P, once more on another P if that one went away before answering.
+
+        Returns the url of the P that answered and its ``kv_transfer_params``. Both attempts share ``deadline``.
+        """
+        first_url = self.prefill.acquire()
+        try:
+            return first_url, await self._prefill(first_url, path, body, headers, deadline, rid)
+        except PrefillLost as exc:
+            first = exc
+        finally:
+            self.prefill.release(first_url)
+        retry_url = self.prefill.acquire(exclude=first_url)
+        try:
+            self.prefill_retries += 1
+            logger.warning(
+                "request %s: prefill instance %s went away before answering (%s); retrying once on %s",
+                rid,
+                first_url,
+                first.cause,
+                retry_url,
+            )
+            return retry_url, await self._prefill(retry_url, path, body, headers, deadline, rid)
+        except ProxyError as exc:
+            raise ProxyError(
+                exc.status, f"{exc.message} (after a retry; first: {first.message})", exc.err_type
+            ) from exc
+        finally:
+            self.prefill.release(retry_url)
 
     async def handle(self, request: Request, path: str) -> Response:
         """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request."""
@@ -189,13 +252,8 @@ class PDProxy:
         stream = bool(body.get("stream", False))
 
         t0 = time.monotonic()
-        p_url = self.prefill.acquire()
-        try:
-            kv = await self._prefill(
-                p_url, path, self.prefill_body(body, chat=path.endswith("chat/completions")), headers, deadline, rid
-            )
-        finally:
-            self.prefill.release(p_url)
+        p_body = self.prefill_body(body, chat=path.endswith("chat/completions"))
+        p_url, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid)
         prefill_ms = (time.monotonic() - t0) * 1000.0
 
         d_body = dict(body)
@@ -339,14 +397,20 @@ class PDProxy:
         return True, None
 
     async def health(self, probe: bool) -> JSONResponse:
-        """Instances and their outstanding counts; with ``probe``, also each backend's own /health.
+        """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
+        backend's own /health.
 
         Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
         """
         prefill = self.prefill.snapshot()
         decode = self.decode.snapshot()
         status_code = 200
-        body: dict[str, Any] = {"status": "ok", "prefill": prefill, "decode": decode}
+        body: dict[str, Any] = {
+            "status": "ok",
+            "prefill": prefill,
+            "decode": decode,
+            "prefill_retries": self.prefill_retries,
+        }
         if probe:
             entries = [*prefill, *decode]
             results = await asyncio.gather(*(self._probe(str(e["url"])) for e in entries))

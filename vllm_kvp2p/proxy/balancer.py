@@ -41,14 +41,21 @@ class LeastOutstandingBalancer:
         """The instances, in the order given."""
         return self._urls
 
-    def acquire(self) -> str:
-        """Choose an instance, count one more request on it, and return its url."""
+    def acquire(self, exclude: str | None = None) -> str:
+        """Choose an instance, count one more request on it, and return its url.
+
+        ``exclude`` (one of the instance urls) is skipped unless it is the only instance, so a retry after a
+        failure goes to another instance when there is one; the choice among the others is the usual one.
+        """
         with self._lock:
             n = len(self._urls)
-            least = min(self._outstanding)
+            skip = -1 if exclude is None else self._index[exclude]  # KeyError for an unknown url, like release()
+            if n == 1:
+                skip = -1  # nowhere else to go
+            least = min(o for i, o in enumerate(self._outstanding) if i != skip)
             for step in range(n):
                 i = (self._cursor + step) % n
-                if self._outstanding[i] == least:
+                if i != skip and self._outstanding[i] == least:
                     break
             else:  # pragma: no cover - min() guarantees a hit
                 raise AssertionError("unreachable")

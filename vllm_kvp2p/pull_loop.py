@@ -9,6 +9,10 @@ exactly one lane on first use, the lane serving the fewest instances. So a froze
 delays only the P instances on its lane (with one thread it delayed every pull of this worker for up to the
 transfer timeout), and pulls from one P never overlap, which keeps at most ``max_batch_entries`` Mooncake entries
 in flight per peer. With one P instance only one lane works (a Mooncake wait spins a core).
+
+Every table here is bounded (the params a client sends name the P instances, so their number is not ours to
+trust): lane assignments, suspects and cached registrations keep the most recent ``MAX_PEERS`` entries;
+:meth:`PullLoop.table_sizes` reports them (a soak checks they return to their idle sizes).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +61,8 @@ logger = get_logger(__name__)
 
 #: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
 SLOW_ACTION_S = 1.0
+#: P instances (lane assignments, suspects) and P ranks (cached registrations) remembered, most recent kept.
+MAX_PEERS = 1024
 
 
 @dataclass(frozen=True)
@@ -109,18 +116,20 @@ class PullLoop:
         # P instances (host, base port) that did not answer, until when: a plan for one first probes it (a short
         # round trip) and fails at once if that gets no answer, instead of paying the full timeouts again.
         self.suspect_time = suspect_time
-        self._suspects: dict[tuple[str, int], float] = {}
+        self._suspects: OrderedDict[tuple[str, int], float] = OrderedDict()
         if auth is None:
             logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "
                            "params name within peer_ports; docs/security.md", tp_rank)
         # Registration of each P rank's side channel (host, port), fetched once and only stored once a pull
         # accepted it (it matched the params and this D); dropped whenever a pull with it fails. Keyed by
         # endpoint, not by the engine id the params claim, so params naming another host cannot replace it.
-        self._registrations: dict[tuple[str, int], RankRegistration] = {}
+        self._registrations: OrderedDict[tuple[str, int], RankRegistration] = OrderedDict()
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
         self.max_threads = max(1, max_threads)
-        self._lane_of: dict[tuple[str, int], _Lane] = {}  # P instance (host, base port) -> its lane, for good
+        # P instance (host, base port) -> its lane, while among the MAX_PEERS most recent: a fleet has fewer
+        self._lane_of: OrderedDict[tuple[str, int], _Lane] = OrderedDict()
+        self._clients: list[SideChannelClient] = []  # one per lane thread, for table_sizes
         self._lanes_lock = threading.Lock()
         self._closed = False
         self._stopping = threading.Event()  # close(): pulls stop reading and only release
@@ -134,11 +143,34 @@ class PullLoop:
             if self._closed:
                 raise RuntimeError("PullLoop is closed")
             lane = self._lane_of.get(instance)
-            if lane is None:
-                lane = min(self._lanes, key=lambda ln: (ln.instances, ln.plans.qsize()))
-                lane.instances += 1
-                self._lane_of[instance] = lane
+            if lane is not None:
+                self._lane_of.move_to_end(instance)
+                return lane
+            if len(self._lane_of) >= MAX_PEERS:
+                # The least recently used goes; should it come back it may get another lane, which only lets its
+                # pulls overlap with ones still queued on the old lane (correct, just not serialised).
+                _, evicted = self._lane_of.popitem(last=False)
+                evicted.instances -= 1
+            lane = min(self._lanes, key=lambda ln: (ln.instances, ln.plans.qsize()))
+            lane.instances += 1
+            self._lane_of[instance] = lane
             return lane
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in each table: when idle, ``queued_plans``, ``results`` and ``suspects`` (those not yet
+        expired) are 0 and the others at most one per P instance (or rank) pulled from lately. Approximate while
+        pulls run (read without the threads' own locking)."""
+        with self._lanes_lock:
+            instances, queued = len(self._lane_of), sum(lane.plans.qsize() for lane in self._lanes)
+            clients = list(self._clients)
+        return {
+            "queued_plans": queued,
+            "instances": instances,
+            "suspects": sum(until > time.monotonic() for until in list(self._suspects.values())),
+            "registrations": len(self._registrations),
+            "sockets": sum(c.open_sockets for c in clients),
+            "results": len(self._results),
+        }
 
     def take_results(self) -> list[TimedResult]:
         with self._results_lock:
@@ -170,6 +202,8 @@ class PullLoop:
     def _run(self, plans: queue.Queue[PullPlan | None]) -> None:
         # One per thread: REQ sockets are not shareable.
         client = SideChannelClient(self.side_channel_timeout, auth=self.auth)
+        with self._lanes_lock:
+            self._clients.append(client)
         try:
             while True:
                 plan = plans.get()
@@ -191,6 +225,8 @@ class PullLoop:
                     publish(_crash_result(plan, exc))
                     self._release_after_crash(plan, client)
         finally:
+            with self._lanes_lock:
+                self._clients.remove(client)
             client.close()
 
     def _handle_request(
@@ -249,7 +285,7 @@ class PullLoop:
             reg, err = (cached, "") if cached is not None else self._fetch_registration(client, job, endpoint,
                                                                                           action.source)
             if job.on_registration(action.source, reg, err) and reg is not None:
-                self._registrations[endpoint] = reg
+                _put_recent(self._registrations, endpoint, reg)
             elif cached is not None:  # P restarted, or these params are not for it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
@@ -348,7 +384,7 @@ class PullLoop:
 
     def _note_outcome(self, instance: tuple[str, int], result: PullResult) -> None:
         if result.failure is Failure.UNREACHABLE:
-            self._suspects[instance] = time.monotonic() + self.suspect_time
+            _put_recent(self._suspects, instance, time.monotonic() + self.suspect_time)
         elif result.outcome is not Outcome.FAILED:
             self._suspects.pop(instance, None)
 
@@ -375,6 +411,14 @@ class PullLoop:
             logger.warning("pull of %s failed (%s): %s", result.request_id, kind, result.reason)
         elif result.num_blocks and self.after_pull is not None:
             self.after_pull(plan, result)
+
+
+def _put_recent(table: OrderedDict, key: object, value: object) -> None:
+    """Store ``key`` as the most recent entry, forgetting the oldest beyond MAX_PEERS."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_PEERS:
+        table.popitem(last=False)
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -51,6 +51,8 @@ class PeerRefused(SideChannelError):
 
 #: How long the plain TCP probe that tells a dead peer from a slow one may take.
 PROBE_TIMEOUT_S = 0.5
+#: REQ sockets a client keeps open (one per P rank endpoint; the least recently used is closed beyond it).
+MAX_SOCKETS = 256
 
 
 def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
@@ -168,7 +170,11 @@ class SideChannelClient:
         self.timeout = timeout
         self._auth = auth
         self._ctx = zmq.Context()
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()  # most recently used last, MAX_SOCKETS at most
+
+    @property
+    def open_sockets(self) -> int:
+        return len(self._socks)
 
     def request(self, host: str, port: int, message: Request, timeout: float | None = None) -> Reply:
         """``timeout`` (at most the client's own) bounds this call, all attempts together."""
@@ -203,7 +209,11 @@ class SideChannelClient:
 
     def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:
         sock = self._socks.get(endpoint)
-        if sock is None:
+        if sock is not None:
+            self._socks.move_to_end(endpoint)
+        else:
+            while len(self._socks) >= MAX_SOCKETS:  # each is a descriptor and a reconnecting ZMQ pipe
+                self._drop(next(iter(self._socks)))
             sock = self._ctx.socket(zmq.REQ)
             for opt, value in ((zmq.LINGER, 0), (zmq.IPV6, int("[" in endpoint)), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
                 sock.setsockopt(opt, value)

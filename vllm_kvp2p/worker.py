@@ -290,10 +290,20 @@ class WorkerSide:
                 t.index_copy_(dim, ids, noise * 4)
         logger.warning("TEST HOOK: corrupted %d pulled blocks of %s", len(ids), result.request_id)
 
+    def table_sizes(self) -> dict[str, int]:
+        """P's ledger and D's pull tables (whichever this worker has), e.g. ``{"holds": 0, "suspects": 0}``."""
+        sizes: dict[str, int] = {}
+        if self.hold_service is not None:
+            sizes.update(self.hold_service.table_sizes())
+        if self.pull_loop is not None:
+            sizes.update(self.pull_loop.table_sizes())
+        return sizes
+
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
         """Pulls stop and release P, the hold service stops, then memory is unregistered: never under a read."""
+        logger.info("rank %d shutting down; connector tables: %s", self.tp_rank, self.table_sizes())
         reads_done = True
         if self.pull_loop is not None:
             try:

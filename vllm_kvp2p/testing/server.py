@@ -322,8 +322,10 @@ class VllmServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> VllmServer:
-        if self._proc is not None:
+        """Start the server (again, after :meth:`stop` or :meth:`kill`: same ports, same log, appended)."""
+        if self._proc is not None and (self._proc.poll() is None or _group_alive(self._proc.pid)):
             raise VllmServerError("server already started")
+        self._proc = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         log_file.write(("$ " + " ".join(self.cmd) + "\n").encode())
@@ -395,6 +397,15 @@ class VllmServer:
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
+
+    def kill(self, timeout: float = 20.0) -> int | None:
+        """SIGKILL the server's whole process group at once (a crash, not a shutdown) and wait until it is gone."""
+        proc = self._proc
+        if proc is None:
+            return None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return self.stop(timeout=timeout)  # reaps it and closes the log; nothing is left to SIGTERM
 
     def __enter__(self) -> Self:
         self.start()

@@ -177,34 +177,39 @@ class SideChannelClient:
         return len(self._socks)
 
     def request(self, host: str, port: int, message: Request, timeout: float | None = None) -> Reply:
-        """``timeout`` (at most the client's own) bounds this call, all attempts together."""
+        """``timeout`` (at most the client's own) bounds this call: all attempts and probes together."""
         address = endpoint(host, port)
         budget = self.timeout if timeout is None else min(timeout, self.timeout)
-        timeout_ms = max(100, int(budget * 1000 / self.attempts))
+        deadline = time.monotonic() + budget
         # The first attempt is short: a peer that just died may still accept the connection for a moment, and
         # the probe after a missed answer then tells it at once. A slow peer only gets the message resent.
-        first_ms = min(timeout_ms, int(PROBE_TIMEOUT_S * 1000)) if self.attempts > 1 else timeout_ms
+        first_ms = int(min(budget, PROBE_TIMEOUT_S) * 1000) if self.attempts > 1 else int(budget * 1000)
         rest_ms = max(100, (int(budget * 1000) - first_ms) // max(1, self.attempts - 1))
         error: Exception | None = None
         if address not in self._socks:
-            self._refuse_if_dead(host, port, address, timeout_ms)
+            self._refuse_if_dead(host, port, address, deadline)
+        tried = 0
         for attempt in range(self.attempts):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms < 50 and tried:
+                break
+            tried += 1
             try:
-                return self._once(address, message, first_ms if attempt == 0 else rest_ms)
+                return self._once(address, message, max(50, min(first_ms if attempt == 0 else rest_ms, left_ms)))
             except zmq.ZMQError as exc:
                 self._drop(address)
                 error = exc
-                self._refuse_if_dead(host, port, address, timeout_ms)
-        timeout_ms = rest_ms
+                self._refuse_if_dead(host, port, address, deadline)
         raise SideChannelError(
-            f"no answer from {address} in {self.attempts} attempts of {timeout_ms} ms: {error}"
+            f"no answer from {address} in {tried} attempts within {budget * 1000:.0f} ms: {error}"
         ) from error
 
     @staticmethod
-    def _refuse_if_dead(host: str, port: int, address: str, timeout_ms: int) -> None:
+    def _refuse_if_dead(host: str, port: int, address: str, deadline: float) -> None:
         """A new connection, or an attempt that got no answer: if nothing listens there, say so now instead of
-        waiting out the other attempts."""
-        if probe(host, port, min(PROBE_TIMEOUT_S, timeout_ms / 1000)) is False:
+        waiting out the other attempts. The probe takes its time from the request's budget."""
+        left = deadline - time.monotonic()
+        if left > 0.01 and probe(host, port, min(PROBE_TIMEOUT_S, left)) is False:
             raise PeerRefused(f"connection refused by {address}: no side channel listens there (P is not running)")
 
     def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:

@@ -188,17 +188,18 @@ class NetnsPair:
 # The cut-off test's hold expires after hold_timeout; a claim that D sent while the link was down may still
 # reach P from the kernel's send buffer once the link is back (D gave up on it long before), and its lease then
 # pins the blocks for lease_timeout. Both short, so that test_both_engines_end_idle need not wait 3 minutes.
-SHORT_P_TIMERS = {"VLLM_KVP2P_HOLD_TIMEOUT": "20", "VLLM_KVP2P_LEASE_TIMEOUT": "20",
+LEASE_TIMEOUT = 20.0
+SHORT_P_TIMERS = {"VLLM_KVP2P_HOLD_TIMEOUT": "20", "VLLM_KVP2P_LEASE_TIMEOUT": f"{LEASE_TIMEOUT:g}",
                   "VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}
 #: The longest a hold of the pair's P pins its blocks: hold_timeout + lease_timeout.
-P_LONGEST_PIN_S = 40.0
+P_LONGEST_PIN_S = 20.0 + LEASE_TIMEOUT
 
 
 @pytest.fixture(scope="module")
 def pair(network: Network, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsPair]:
     """P and D with no host settings at all."""
     with NetnsPair(network, tiny_model_dir, tmp_path_factory.mktemp("netns-logs"), NO_HOST_SETTINGS,
-                   prefill_env=SHORT_P_TIMERS) as p:
+                   prefill_env=SHORT_P_TIMERS, decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}) as p:
         yield p
 
 

@@ -228,7 +228,12 @@ def test_a_reader_that_vanishes_holding_a_claim_is_freed_at_lease_expiry(pair: N
                                                       "kv_transfer_params": {"do_remote_decode": True}})
     held = time.monotonic()
     kv = kv["kv_transfer_params"]
-    time.sleep(CLAIM_AFTER_S)  # so that the lease ends after the hold would have (hold_timeout 20 s)
+    # P keeps serving: a P/D request through the proxy pulls meanwhile. (Its engine steps also hand the hold
+    # above to P's side channel, which an idle vLLM 0.23 engine does only at its next step.)
+    other = prompt_ids(2 * BLOCK_SIZE + 1, seed=6162)
+    pd = post(pair.proxy_url + "/v1/completions", completion_body(other))
+    assert pd["kv_transfer_params"][PULL_REPORT_KEY]["ok"], pd["kv_transfer_params"]
+    time.sleep(max(0.0, CLAIM_AFTER_S - (time.monotonic() - held)))  # the lease ends after the hold would have
     client = SideChannelClient(5.0)
     try:
         claim = Claim(kv["remote_request_id"], kv["remote_hold_id"], "vanished-d:0", 1, "c1")
@@ -237,10 +242,6 @@ def test_a_reader_that_vanishes_holding_a_claim_is_freed_at_lease_expiry(pair: N
         client.close()  # the reader is gone: no renew, no release
     claimed = time.monotonic()
     assert reply.status is ClaimStatus.GRANTED, reply
-    # P keeps serving: a P/D request through the proxy pulls while the claim pins those blocks.
-    other = prompt_ids(2 * BLOCK_SIZE + 1, seed=6162)
-    pd = post(pair.proxy_url + "/v1/completions", completion_body(other))
-    assert pd["kv_transfer_params"][PULL_REPORT_KEY]["ok"], pd["kv_transfer_params"]
     time.sleep(max(0.0, HOLD_TIMEOUT + 2 - (time.monotonic() - held)))
     assert metric(pair.prefill, "vllm:kv_cache_usage_perc") > 0  # past hold_timeout: the lease still pins them
     assert wait_kv_idle(pair.prefill, timeout=LEASE_TIMEOUT + 10) == 0.0, pair.prefill.log_path

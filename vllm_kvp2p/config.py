@@ -29,72 +29,142 @@ class ConfigError(ValueError):
     """A setting has a value the connector cannot run with."""
 
 
+def setting(default: Any, doc: str, shown: str = "") -> Any:
+    """A setting's default and what docs/configuration.md says of it (``shown``: its default as the table shows
+    it, when that is not the value itself). The table is generated from these: ``vllm-kvp2p config-reference``."""
+    return field(default=default, metadata={"doc": doc, "shown": shown})
+
+
 @dataclass(frozen=True)
 class KVP2PConfig:
     """Validated connector settings (seconds for every duration)."""
 
-    # Which platform adapter to use; "auto" picks NPU when torch_npu is importable, else CPU.
-    platform: str = "auto"
-    # Mooncake transport; empty means the platform's default (tcp on CPU, ascend on NPU).
-    protocol: str = ""
-    # Mooncake device name (e.g. an RDMA NIC, or empty to let Mooncake choose).
-    device_name: str = ""
-    # Address this instance advertises to its peers: the side channel's address in kv_transfer_params
-    # (remote_host) and the Mooncake segment's hostname. Empty: this node's address as vLLM determines it
-    # (VLLM_HOST_IP, else the source address of the default route; see advertised_host). A wildcard is refused.
-    host: str = ""
-    # Address P's side channel binds. Empty: the advertised address; 0.0.0.0 listens on every interface.
-    bind_host: str = ""
-    # Side-channel port of (dp 0, tp 0); rank r of DP rank d listens on base + d * tp_size + r.
-    # Kept below Mooncake's own random RPC range [15000, 17000].
-    side_channel_port: int = 14600
-    # P keeps a finished prompt's blocks this long for D to claim them, then frees them.
-    hold_timeout: float = 120.0
-    # A D claim keeps P's blocks pinned this long unless renewed; D renews at a third of it.
-    lease_timeout: float = 60.0
-    # Upper bound of one Mooncake read (Mooncake's MC_TRANSFER_TIMEOUT, at least 5 s).
-    transfer_timeout: float = 30.0
-    # Upper bound of one side-channel round trip (handshake, claim, release).
-    side_channel_timeout: float = 5.0
-    # Seconds D keeps a P that did not answer as suspect: plans for it first probe it with one short round trip
-    # and fail at once without an answer, instead of each paying the full side-channel timeouts.
-    suspect_time: float = 10.0
-    # How long D keeps retrying a claim P has not heard of yet (P learns of a hold one engine step late).
-    claim_wait: float = 10.0
-    # Seconds an engine step that schedules no token sleeps. vLLM keeps stepping while P holds blocks or D waits
-    # for KV; at TP > 1 those empty steps (gloo collectives on every rank) take every core and starve the
-    # side channel and Mooncake threads for seconds. 0 disables.
-    idle_step_sleep: float = 0.005
-    # Most pull threads per D worker. Each P instance is served by one thread (instances beyond this share), so a
-    # frozen P delays only the instances sharing its thread; pulls from one P never overlap.
-    pull_threads: int = 4
-    # Allocate the KV cache from one contiguous arena (registered as one region) when the platform and build
-    # have one; false registers vLLM's tensors one by one (touching ones merged), checked against the region limit.
-    kv_arena: bool = True
-    # Seconds vLLM's worker and engine-core processes busy-poll their queues after each message; < 0 uses the
-    # platform's default (0.002 on CPU, vLLM's own 1 s on NPU). vLLM spins 1 s, and pending transfers keep engines
-    # stepping, so on few cores those spinners starve the threads that move the KV (platform/worker_polling.py).
-    worker_busy_poll: float = -1.0
-    # Mooncake entries per batch read; Mooncake's TCP lane fails above ~2048 in flight per peer.
-    max_batch_entries: int = 1024
-    # Upper bound of one pull on a D rank: all its side-channel round trips and Mooncake reads together. Past it
-    # the pull fails (vLLM's kv_load_failure_policy decides) and P is released within one side_channel_timeout.
-    pull_timeout: float = 60.0
-    # Side-channel ports D may contact, "LOW-HIGH" (a client names P's port in kv_transfer_params). Empty: every
-    # port side_channel_port allows (1024..14999 and 17001..65535).
-    peer_ports: str = ""
-    # File holding the shared secret of this P/D deployment (the environment may give it instead, as
-    # VLLM_KVP2P_SECRET). With one, P signs kv_transfer_params and the side channel authenticates every message
-    # (vllm_kvp2p/auth.py); without, both are open (logged once at start-up).
-    secret_file: str = ""
-    # With a secret: how far P's and D's clocks may disagree (params expiry, side-channel timestamps and the
-    # replay window).
-    clock_skew: float = 30.0
+    platform: str = setting(
+        "auto",
+        "`cpu`, `npu`, or `auto` (NPU when `torch_npu` is installed)",
+    )
+    protocol: str = setting(
+        "",
+        "Mooncake transport: `tcp` (CPU default), `ascend` (NPU default), `rdma`",
+        shown="platform's",
+    )
+    device_name: str = setting(
+        "",
+        "Mooncake device (RDMA NIC / NPU device list); empty lets Mooncake choose",
+    )
+    host: str = setting(
+        "",
+        "address this instance **advertises**: P's side-channel address in `kv_transfer_params` (`remote_host`) "
+        "and the hostname of every rank's Mooncake segment. Empty: vLLM's `get_ip()`, i.e. `VLLM_HOST_IP` when "
+        "set, else the source address of the route to a public address (a UDP socket is connected; nothing is "
+        "sent). `0.0.0.0` / `::` are refused, and so is a detection that finds no address: set `VLLM_KVP2P_HOST` "
+        "or `VLLM_HOST_IP`",
+        shown="`\"\"` (this node's address as vLLM determines it)",
+    )
+    bind_host: str = setting(
+        "",
+        "address P's side channel **binds**; `0.0.0.0` listens on every interface (behind NAT, or when peers "
+        "reach P under a name that is not a local address)",
+        shown="`\"\"` (the advertised address)",
+    )
+    side_channel_port: int = setting(
+        14600,
+        "side-channel port of DP rank 0, TP rank 0; rank *r* of DP rank *d* listens on `port + d*tp_size + r`. "
+        "1024..65000, never inside Mooncake's random RPC range 15000..17000. Give each instance on one host its "
+        "own range",
+    )
+    hold_timeout: float = setting(
+        120.0,
+        "seconds P keeps a finished prompt's blocks for D to claim; then it frees them (logged)",
+    )
+    lease_timeout: float = setting(
+        60.0,
+        "seconds a D claim pins P's blocks without renewal; D renews every third of it, between reads. Must "
+        "exceed 1.5 × (`transfer_timeout` + 1 s), so that no read outlives its lease (checked at start-up, naming"
+        " both)",
+    )
+    transfer_timeout: float = setting(
+        30.0,
+        "upper bound of one Mooncake read; the one source of Mooncake's `MC_TRANSFER_TIMEOUT` (a different value "
+        "in the environment is replaced, with a WARNING; the value in force is logged). Mooncake's minimum is 5",
+    )
+    side_channel_timeout: float = setting(
+        5.0,
+        "upper bound of one side-channel request (split over 3 attempts on fresh sockets)",
+    )
+    suspect_time: float = setting(
+        10.0,
+        "seconds D keeps a P that did not answer as suspect: a plan for it first probes it with one short round "
+        "trip (0.5 s) and fails at once without an answer, instead of paying the full timeouts again; an answer "
+        "trusts it again",
+    )
+    claim_wait: float = setting(
+        10.0,
+        "how long D retries a claim P has not heard of yet (P learns of a hold one engine step after it answers "
+        "the proxy)",
+    )
+    idle_step_sleep: float = setting(
+        0.005,
+        "seconds an engine step that schedules nothing sleeps (vLLM keeps stepping while P holds blocks or D "
+        "waits for KV; at TP > 1 those empty steps otherwise starve the transfer threads). 0..0.1",
+    )
+    pull_threads: int = setting(
+        4,
+        "pull threads per D worker, 1..64; each P instance is served by one of them (more instances share), so a "
+        "frozen P delays only the instances sharing its thread",
+    )
+    kv_arena: bool = setting(
+        True,
+        "allocate the KV cache from the connector's contiguous arena (one registered region) where the platform "
+        "and build have one; `false` registers vLLM's tensors one by one, touching ones merged, and checks the "
+        "platform's region limit (256 on Ascend) at start-up",
+    )
+    worker_busy_poll: float = setting(
+        -1.0,
+        "seconds vLLM's worker and engine-core processes busy-poll their shared-memory queues after each message,"
+        " 0..1. vLLM spins for 1 s and a pending transfer keeps the engine stepping every `idle_step_sleep`, so "
+        "on few cores every worker would spin a core and starve the side channel and Mooncake (P TP 2 + D TP 1 on"
+        " 2 cores: round trips up to 64 s, most pulls failed; at 0.002: every pull ~10 ms)",
+        shown="`-1` (platform default: `0.002` on CPU, vLLM's own 1 s on NPU)",
+    )
+    max_batch_entries: int = setting(
+        1024,
+        "Mooncake entries per batch read, 1..1024 (Mooncake's TCP lane fails above ~2048 in flight per peer)",
+    )
+    pull_timeout: float = setting(
+        60.0,
+        "upper bound of one pull on a D rank: all its side-channel round trips and Mooncake reads together (a "
+        "read in progress still ends within `transfer_timeout`). Past it the pull fails and P's ranks are "
+        "released within one more `side_channel_timeout`. At least `side_channel_timeout`",
+    )
+    peer_ports: str = setting(
+        "",
+        "side-channel ports D may contact, `LOW-HIGH`: `remote_port` .. `remote_port + tp_size - 1` of any params"
+        " must lie inside, else D contacts no one (docs/security.md)",
+        shown="`\"\"` (1024..14999 and 17001..65535)",
+    )
+    secret_file: str = setting(
+        "",
+        "file holding the deployment's shared secret (or give the secret itself as `VLLM_KVP2P_SECRET`, "
+        "environment only; not both). With one, P signs `kv_transfer_params` and every side-channel frame is "
+        "authenticated; at least 16 bytes; never logged (docs/security.md)",
+    )
+    clock_skew: float = setting(
+        30.0,
+        "with a secret: seconds P's and D's clocks may disagree (params expiry, frame timestamps; nonces are kept"
+        " twice as long)",
+    )
     # The shared secret itself, from VLLM_KVP2P_SECRET or secret_file; never logged, never in extra config.
     secret: bytes = field(default=b"", repr=False)
-    # Test-only: D honours "kvp2p_test_corrupt": true in a request's kv_transfer_params by overwriting the blocks
-    # it pulled for that request with noise, to prove that output checks can fail. Off in production.
-    test_hooks: bool = False
+    # Where each setting came from (key -> "default", "VLLM_KVP2P_<KEY>" or "kv_connector_extra_config"), for the
+    # start-up line and `vllm-kvp2p check`; set by from_sources.
+    sources: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    test_hooks: bool = setting(
+        False,
+        "test only: D honours `\"kvp2p_test_corrupt\": true` in a request's `kv_transfer_params` by overwriting "
+        "what it pulled",
+    )
+
 
     @classmethod
     def from_sources(
@@ -105,28 +175,42 @@ class KVP2PConfig:
         if "secret" in extra:
             raise ConfigError("kv_connector_extra_config must not hold the secret (command lines are logged): set "
                               "VLLM_KVP2P_SECRET or put it in a file named by secret_file / VLLM_KVP2P_SECRET_FILE")
-        known = {f.name for f in fields(cls)} - {"secret"}
+        known = set(setting_names())
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {unknown}; allowed keys: {sorted(known)}"
             )
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name == "secret":
-                continue
-            env_name = ENV_PREFIX + f.name.upper()
-            if f.name in extra:
-                raw, where = extra[f.name], f"kv_connector_extra_config[{f.name!r}]"
+        sources: dict[str, str] = {}
+        for name in setting_names():
+            env_name = ENV_PREFIX + name.upper()
+            if name in extra:
+                raw, where = extra[name], f"kv_connector_extra_config[{name!r}]"
+                sources[name] = "kv_connector_extra_config"
             elif env_name in env:
-                raw, where = env[env_name], env_name
+                raw, where, sources[name] = env[env_name], env_name, env_name
             else:
+                sources[name] = "default"
                 continue
-            values[f.name] = _PARSERS[f.name](raw, where)
+            values[name] = _PARSERS[name](raw, where)
         values["secret"] = _load_secret(env.get(ENV_PREFIX + "SECRET"), values.get("secret_file", ""))
-        config = cls(**values)
+        sources["secret"] = (f"secret_file {values['secret_file']}" if values.get("secret_file")
+                             else f"{ENV_PREFIX}SECRET" if values["secret"] else "default")
+        config = cls(**values, sources=tuple(sources.items()))
         config.validate()
         return config
+
+    def resolved(self) -> list[tuple[str, str, str]]:
+        """Every setting as (key, value as text, where it came from); the secret only as set or not."""
+        origin = dict(self.sources)
+        rows = [(name, _text(getattr(self, name)), origin.get(name, "default")) for name in setting_names()]
+        rows.append(("secret", "set" if self.secret else "not set", origin.get("secret", "default")))
+        return rows
+
+    def describe(self) -> str:
+        """One line of every resolved setting and its source (non-defaults marked), for the start-up INFO line."""
+        return ", ".join(f"{k}={v}" + ("" if src == "default" else f" ({src})") for k, v, src in self.resolved())
 
     def validate(self) -> None:
         _choice(self.platform, PLATFORMS, "platform")
@@ -214,6 +298,41 @@ class KVP2PConfig:
     def side_channel_port_for(self, dp_rank: int, tp_size: int, tp_rank: int) -> int:
         """Port of one worker's side channel; distinct for every (DP rank, TP rank) of one instance."""
         return self.side_channel_port + dp_rank * tp_size + tp_rank
+
+
+def setting_names() -> tuple[str, ...]:
+    """The settings an operator gives (extra-config keys; VLLM_KVP2P_<KEY> in the environment)."""
+    return tuple(f.name for f in fields(KVP2PConfig) if "doc" in f.metadata)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if value != "" else '""'
+
+
+#: Where docs/configuration.md holds the generated table.
+TABLE_BEGIN = ("<!-- settings table: generated from vllm_kvp2p/config.py by `vllm-kvp2p config-reference`; "
+               "do not edit by hand -->\n")
+TABLE_END = "<!-- end of generated settings table -->\n"
+
+
+def with_reference_table(doc: str) -> str:
+    """``doc`` (docs/configuration.md's text) with its generated table replaced by the current one."""
+    start = doc.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    return doc[:start] + reference_table() + doc[doc.index(TABLE_END, start):]
+
+
+def reference_table() -> str:
+    """The settings table of docs/configuration.md, from the fields above (a test checks the two agree)."""
+    lines = ["| key | environment | default | meaning |", "|---|---|---|---|"]
+    for f in fields(KVP2PConfig):
+        if "doc" in f.metadata:
+            default = f.metadata["shown"] or f"`{_text(f.default)}`"
+            lines.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata['doc']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _load_secret(from_env: str | None, secret_file: str) -> bytes:

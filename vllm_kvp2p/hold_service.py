@@ -133,8 +133,8 @@ class HoldService:
         events = self.ledger.take_events()
         now = self._clock() if any(e.reason for e in events) else 0.0
         for event in events:
-            if not event.reason:
-                logger.info("KV hold %s: %s", event.request_id, event.what)
+            if not event.reason:  # the normal course of a hold: DEBUG, one line per event (never INFO per request)
+                logger.debug("KV hold %s: %s", event.request_id, event.what)
                 continue
             last = self._warned_at.get(event.reason)
             if last is not None and now - last < WARNING_INTERVAL:

@@ -18,6 +18,7 @@ trust): lane assignments, suspects and cached registrations keep the most recent
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import secrets
 import threading
@@ -249,10 +250,15 @@ class PullLoop:
             timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
+        debug = logger.isEnabledFor(logging.DEBUG)
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
             if self._stopping.is_set():
                 job.abort("the engine is shutting down")
             action = job.next_action(time.monotonic())
+            if debug and not isinstance(action, Wait):  # follow a request: P's hold id ties it to P's DEBUG lines
+                logger.debug("pull of %s (P's %s, hold %s): %s%s", plan.request_id, plan.remote.remote_request_id,
+                             plan.remote.remote_hold_id, type(action).__name__,
+                             f" with P rank {action.source.p_rank}" if hasattr(action, "source") else "")
             started = time.monotonic()
             self._perform(plan, job, action, client, host, base_port)
             if isinstance(action, Finish):
@@ -409,8 +415,11 @@ class PullLoop:
         if result.reason:
             kind = result.failure.value if result.failure is not None else "not reported"
             logger.warning("pull of %s failed (%s): %s", result.request_id, kind, result.reason)
-        elif result.num_blocks and self.after_pull is not None:
-            self.after_pull(plan, result)
+        else:
+            logger.debug("pull of %s done (%s): %d blocks, %d bytes", result.request_id, result.outcome.value,
+                         result.num_blocks, result.num_bytes)
+            if result.num_blocks and self.after_pull is not None:
+                self.after_pull(plan, result)
 
 
 def _put_recent(table: OrderedDict, key: object, value: object) -> None:

@@ -22,7 +22,7 @@ from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.platform.base import KVArenaLike
-from vllm_kvp2p.protocol import RankRegistration
+from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.transfer.engine import MooncakeEngine
@@ -214,6 +214,15 @@ class WorkerSide:
                 registration, bind_host, port,
                 hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
             )
+        logger.info(
+            "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
+            "protocol v%d; settings: %s",
+            self.tp_rank, self.dp_rank, "/".join(r for r, on in (("producer", self.is_producer),
+                                                                   ("consumer", self.is_consumer)) if on),
+            protocol, self.engine.segment, sum(size for _, size in regions) >> 20, len(regions), how,
+            self._side_channel_text(), "authenticated" if auth is not None else "unauthenticated",
+            PROTOCOL_VERSION, config.describe(),
+        )
         if self.is_consumer:
             self.pull_loop = PullLoop(
                 self.engine,
@@ -289,6 +298,13 @@ class WorkerSide:
                 noise = torch.randn(t.index_select(dim, ids).shape, dtype=torch.float32).to(t.dtype)
                 t.index_copy_(dim, ids, noise * 4)
         logger.warning("TEST HOOK: corrupted %d pulled blocks of %s", len(ids), result.request_id)
+
+    def _side_channel_text(self) -> str:
+        if not self.is_producer:
+            return "none (consumer only: D contacts P's)"
+        port = self.config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
+        bind = self.config.side_channel_bind_host(self.advertised_host)
+        return f"binds {bind}:{port}, advertised as {self.advertised_host}:{port}"
 
     def table_sizes(self) -> dict[str, int]:
         """P's ledger and D's pull tables (whichever this worker has), e.g. ``{"holds": 0, "suspects": 0}``."""

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_kvp2p.cli import main
+
+sys.exit(main())

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
+from vllm_kvp2p import metrics  # noqa: E402
 from vllm_kvp2p.config import KVP2PConfig  # noqa: E402
 from vllm_kvp2p.log import get_logger  # noqa: E402
 from vllm_kvp2p.platform import get_platform, worker_polling  # noqa: E402
@@ -27,6 +28,7 @@ from vllm_kvp2p.worker import WorkerSide  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -156,6 +158,26 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
         """The same scope for a worker that does not call get_mem_pool_context (vllm-ascend, see
         platform/ascend_hook.py), sized by the caller."""
         return self.worker_side.mem_pool_context(size_bytes) if self.worker_side is not None else None
+
+    # ------------------------------------------------------------------ metrics (vllm_kvp2p/metrics.py)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is not None:
+            return self.worker_side.get_kv_connector_stats()
+        return self.scheduler_side.get_kv_connector_stats() if self.scheduler_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return metrics.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        # Always built: under vLLM's MultiConnector a connector that sends stats without Prometheus metrics
+        # crashes its logger (an assert in MultiKVConnectorPromMetrics.observe).
+        return metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from vllm_kvp2p.auth import Authenticator
@@ -17,6 +18,7 @@ from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL, MAX_EARLY_RELEASES,
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     Claim,
+    ClaimStatus,
     ErrorReply,
     GetRegistration,
     RankRegistration,
@@ -61,6 +63,7 @@ class HoldService:
         self._unlogged: dict[str, int] = {}  # reason -> events since then not logged
         self._lock = threading.Lock()
         self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
+        self._dropped_reported: Counter[str] = Counter()  # side-channel drops already in the metrics
         self._server = SideChannelServer(
             host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.tp_rank}",
             auth=auth,
@@ -69,9 +72,9 @@ class HoldService:
                     "authenticated" if auth is not None else "unauthenticated: anyone who reaches it may fetch the "
                     "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
-    def hold(self, request_id: str, hold_id: str) -> None:
+    def hold(self, request_id: str, hold_id: str, num_blocks: int = 0) -> None:
         with self._lock:
-            self.ledger.hold(request_id, hold_id, self._clock())
+            self.ledger.hold(request_id, hold_id, self._clock(), num_blocks)
             self._log_events()
 
     def take_freed(self) -> set[str]:
@@ -100,6 +103,17 @@ class HoldService:
         with self._lock:
             return self.ledger.table_sizes()
 
+    def take_metrics(self) -> tuple[dict[str, int], dict[str, int], int, float]:
+        """Since the last call: holds created / released / expired and claims refused, side-channel messages
+        dropped by reason; now: blocks held and the oldest hold's age (s)."""
+        with self._lock:
+            tally, self.ledger.tally = dict(self.ledger.tally), Counter()
+            now_dropped = dict(self._server.dropped)  # one C-level copy: the server thread adds to it unlocked
+            dropped = {k: v - self._dropped_reported.get(k, 0) for k, v in now_dropped.items()}
+            self._dropped_reported = Counter(now_dropped)
+            return (tally, {k: v for k, v in dropped.items() if v > 0}, self.ledger.blocks_held,
+                    self.ledger.oldest_hold_age(self._clock()))
+
     def _handle(self, message: Request) -> Reply:
         with self._lock:
             now = self._clock()
@@ -111,10 +125,13 @@ class HoldService:
                         )
                     return Registration(self.registration)
                 if isinstance(message, Claim):
-                    return self.ledger.claim(
+                    reply = self.ledger.claim(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
                         message.claim_id,
                     )
+                    if reply.status is ClaimStatus.REFUSED:
+                        self.ledger.tally["claims_refused"] += 1
+                    return reply
                 if isinstance(message, Renew):
                     return self.ledger.renew(
                         message.request_id, message.hold_id, message.reader, now, message.lease_token

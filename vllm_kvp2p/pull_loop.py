@@ -70,6 +70,7 @@ MAX_PEERS = 1024
 class TimedResult:
     result: PullResult
     seconds: float  # from the plan reaching the thread to P's release being sent
+    claim_seconds: float | None = None  # the first granted claim's round trip
 
 
 class _Lane:
@@ -131,6 +132,7 @@ class PullLoop:
         # P instance (host, base port) -> its lane, while among the MAX_PEERS most recent: a fleet has fewer
         self._lane_of: OrderedDict[tuple[str, int], _Lane] = OrderedDict()
         self._clients: list[SideChannelClient] = []  # one per lane thread, for table_sizes
+        self._claim_seconds: dict[str, float] = {}  # request id -> its claim's round trip, until published
         self._lanes_lock = threading.Lock()
         self._closed = False
         self._stopping = threading.Event()  # close(): pulls stop reading and only release
@@ -216,8 +218,9 @@ class PullLoop:
                 def publish(result: PullResult, t0: float = t0, published: list[PullResult] = published) -> None:
                     if not published:  # exactly one result per plan
                         published.append(result)
+                        claim = self._claim_seconds.pop(result.request_id, None)
                         with self._results_lock:
-                            self._results.append(TimedResult(result, time.perf_counter() - t0))
+                            self._results.append(TimedResult(result, time.perf_counter() - t0, claim))
 
                 try:
                     publish(self._handle_request(plan, client, publish))
@@ -261,6 +264,8 @@ class PullLoop:
                              f" with P rank {action.source.p_rank}" if hasattr(action, "source") else "")
             started = time.monotonic()
             self._perform(plan, job, action, client, host, base_port)
+            if isinstance(action, SendClaim) and plan.request_id not in self._claim_seconds:
+                self._claim_seconds[plan.request_id] = time.monotonic() - started
             if isinstance(action, Finish):
                 if job.failed:
                     self._forget(host, base_port, sources)

@@ -21,6 +21,7 @@ from vllm_kvp2p.identity import incarnation
 from vllm_kvp2p.kv_groups import FULL, common_block_size, groups_from_vllm, has_state, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class HoldOrder:
 
     request_id: str
     hold_id: str
+    num_blocks: int = 0  # every block vLLM keeps for it (all groups): the blocks-held gauge
 
 
 @dataclass
@@ -122,6 +124,9 @@ class SchedulerSide:
         )
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}
+        # Failed pulls by kind, one per request (the workers' reports merged): the scheduler-side stats vLLM
+        # merges into the connector's metrics (the workers count pulls, per rank).
+        self.stats = Kvp2pStats()
 
     # ------------------------------------------------------------------ P: admission
 
@@ -196,7 +201,7 @@ class SchedulerSide:
         # Each transfer group cut to what a decoder needs (sliding windows: the tail), ending at the last block.
         offered = [needed_tail(g, block_ids[gid], num_tokens) for g, gid in zip(self.groups, self.group_ids)]
         hold_id = uuid.uuid4().hex
-        self._holds.append(HoldOrder(request.request_id, hold_id))
+        self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids)))
         remote = RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -231,6 +236,12 @@ class SchedulerSide:
         if isinstance(meta, KVP2PWorkerMetadata):
             # Keep reports only for requests still alive; an aborted one's pull may end after it finished.
             self._reports.update((k, v) for k, v in meta.reports.items() if self.consumer.is_planned(k))
+            for report in meta.reports.values():
+                if report.failure:
+                    self.stats.record_failure(report.failure)
+
+    def get_kv_connector_stats(self) -> Kvp2pStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
 
 def _now_ms() -> int:

@@ -7,6 +7,7 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, lay
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.platform.base import KVArenaLike
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
@@ -86,6 +88,10 @@ class WorkerSide:
         self._reports: dict[str, PullReport] = {}
         self._load_errors_as_blocks = load_errors_as_blocks
         self._load_error_blocks: set[int] = set()
+        # This worker's share of the connector's metrics (vllm_kvp2p/metrics.py): pulls here, holds on P. vLLM
+        # takes them from the model runner's thread (get_kv_connector_stats), as it calls get_transfer_results.
+        self._stats = Kvp2pStats()
+        self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start-up
 
@@ -245,7 +251,7 @@ class WorkerSide:
     def start_load_kv(self, metadata: KVP2PMetadata) -> None:
         if self.hold_service is not None:
             for order in metadata.holds:
-                self.hold_service.hold(order.request_id, order.hold_id)
+                self.hold_service.hold(order.request_id, order.hold_id, order.num_blocks)
         if self.pull_loop is not None:
             for plan in metadata.pulls:
                 self.pull_loop.submit(plan)
@@ -258,6 +264,9 @@ class WorkerSide:
         if self.pull_loop is not None:
             for timed in self.pull_loop.take_results():
                 r = timed.result
+                if r.failure is None and r.num_blocks:
+                    with self._stats_lock:
+                        self._stats.record_pull(timed.seconds, r.num_bytes, r.num_descriptors, timed.claim_seconds)
                 if not r.report_finished:
                     continue
                 recving.add(r.request_id)
@@ -270,6 +279,19 @@ class WorkerSide:
                     r.failure.value if r.failure is not None else "",
                 )
         return sending, recving, failed
+
+    def get_kv_connector_stats(self) -> Kvp2pStats:
+        """The metrics since the last call, every call (also empty: on vLLM 0.23 a worker's stats object is what
+        carries the scheduler's to the logger); P's gauges are read now."""
+        with self._stats_lock:
+            if self.hold_service is not None:
+                tally, dropped, blocks_held, oldest = self.hold_service.take_metrics()
+                self._stats.record_holds(tally.get("created", 0), tally.get("released", 0), tally.get("expired", 0),
+                                         tally.get("claims_refused", 0))
+                for reason, n in dropped.items():
+                    self._stats.record_dropped(reason, n)
+                self._stats.set_gauges(f"{self.dp_rank}.{self.tp_rank}", blocks_held, oldest)
+            return self._stats.clone_and_reset()
 
     def take_load_error_blocks(self) -> set[int]:
         """Local block ids of the pulls that failed since the last call (only when vLLM wants failures so)."""

@@ -131,7 +131,7 @@ def test_p_remote_decode_holds_blocks_until_finished_sending(num_tokens):
     assert num_free_blocks(sched) == held
     # The hold is shipped to the workers with the next schedule(), exactly once.
     st = step(sched)
-    assert st.meta.holds == [HoldOrder("p1", remote.remote_hold_id)]
+    assert st.meta.holds == [HoldOrder("p1", remote.remote_hold_id, n_blocks)]  # n_blocks: the gauge
     assert st.meta.pulls == []
     st = step(sched)
     assert st.meta.holds == []

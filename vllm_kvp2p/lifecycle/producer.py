@@ -72,6 +72,8 @@ class _Hold:
     state: HoldState
     hold_deadline: float
     pin_deadline: float  # hard: no lease runs past it
+    created: float = 0.0
+    num_blocks: int = 0
     expected_readers: int = 1
     leases: dict[str, float] = field(default_factory=dict)  # reader -> lease deadline
     tokens: dict[str, str] = field(default_factory=dict)  # reader -> token of its (last) claim
@@ -138,6 +140,9 @@ class ProducerLedger:
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
         self.counters: Counter[str] = Counter()
+        # Holds created, released and expired, claims refused: for the metrics (taken and reset by the caller).
+        self.tally: Counter[str] = Counter()
+        self.blocks_held = 0  # of live holds, as vLLM counted them when it kept the blocks
 
     # ------------------------------------------------------------------ queries
 
@@ -155,6 +160,11 @@ class ProducerLedger:
     def active(self) -> int:
         return len(self._holds)
 
+    def oldest_hold_age(self, now: float) -> float:
+        """Seconds since the oldest live hold was created (holds are kept in creation order), 0 without any."""
+        oldest = next(iter(self._holds.values()), None)
+        return max(0.0, now - oldest.created) if oldest is not None else 0.0
+
     def table_sizes(self) -> dict[str, int]:
         """Entries in each table (for tests and metrics); ``readers_per_hold`` is the largest."""
         return {
@@ -168,8 +178,8 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ events from vLLM
 
-    def hold(self, request_id: str, hold_id: str, now: float) -> None:
-        """vLLM kept ``request_id``'s blocks for a decoder."""
+    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0) -> None:
+        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder."""
         key = (request_id, hold_id)
         if key in self._holds or key in self._tombstones:
             self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
@@ -181,8 +191,10 @@ class ProducerLedger:
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = _Hold(request_id, hold_id, HoldState.HELD, now + self.hold_timeout,
-                     now + self.hold_timeout + self.lease_timeout)
+                     now + self.hold_timeout + self.lease_timeout, created=now, num_blocks=max(0, num_blocks))
         self._holds[key] = hold
+        self.tally["created"] += 1
+        self.blocks_held += hold.num_blocks
         self._live_ids.setdefault(request_id, set()).add(hold_id)
         self._due(hold.hold_deadline, key)
         self._due(hold.pin_deadline, key)
@@ -409,6 +421,8 @@ class ProducerLedger:
         if not live:
             del self._live_ids[hold.request_id]
         hold.state = state
+        self.tally[state.value] += 1
+        self.blocks_held -= hold.num_blocks
         self._tombstones[key] = state
         if hold.confirmed:
             self._confirmed[key] = frozenset(hold.confirmed)

@@ -296,8 +296,16 @@ class KVP2PConfig:
         return self.bind_host or advertised
 
     def side_channel_port_for(self, dp_rank: int, tp_size: int, tp_rank: int) -> int:
-        """Port of one worker's side channel; distinct for every (DP rank, TP rank) of one instance."""
-        return self.side_channel_port + dp_rank * tp_size + tp_rank
+        """Port of one worker's side channel; distinct for every (DP rank, TP rank) of one instance. The base is
+        checked at start-up; a rank's port beyond it is checked here, where the layout is known."""
+        port = self.side_channel_port + dp_rank * tp_size + tp_rank
+        if 15000 <= port <= 17000 or port > 65535:
+            where = "inside Mooncake's RPC range 15000..17000" if port <= 17000 else "above 65535"
+            raise ConfigError(
+                f"side_channel_port={self.side_channel_port}: DP rank {dp_rank} TP rank {tp_rank} (of TP {tp_size}) "
+                f"would listen on {port}, {where}; choose a base that keeps base + dp_size * tp_size - 1 outside it"
+            )
+        return port
 
 
 def setting_names() -> tuple[str, ...]:

@@ -98,3 +98,16 @@ def test_the_lease_must_outlast_the_longest_read() -> None:
     assert "VLLM_KVP2P_LEASE_TIMEOUT" in message
     assert KVP2PConfig.from_sources({"lease_timeout": 47, "transfer_timeout": 30}, {}).lease_timeout == 47
     assert KVP2PConfig().lease_timeout > 1.5 * (KVP2PConfig().transfer_timeout + 1)  # the defaults pass
+
+
+def test_a_rank_port_inside_mooncakes_range_is_refused_naming_the_setting() -> None:
+    import pytest as _pytest
+
+    from vllm_kvp2p.config import ConfigError, KVP2PConfig
+
+    config = KVP2PConfig.from_sources({"side_channel_port": 14998}, {})
+    assert config.side_channel_port_for(0, 2, 1) == 14999
+    with _pytest.raises(ConfigError, match=r"side_channel_port=14998: DP rank 0 TP rank 2 .* 15000\.\.17000"):
+        config.side_channel_port_for(0, 4, 2)
+    with _pytest.raises(ConfigError, match="above 65535"):
+        KVP2PConfig.from_sources({"side_channel_port": 65000}, {}).side_channel_port_for(1, 600, 0)

@@ -353,12 +353,17 @@ class ProducerLedger:
             del hold.leases[reader]
         if lapsed and not hold.leases:
             # The reader vanished mid-transfer (no release, no renewal): nobody can be reading any more.
-            why = f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s"
-            self._finish(hold, HoldState.EXPIRED, why)
+            why = (f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s (the decoder neither renewed "
+                   "nor released it: it died or was cut off mid-pull; lease_timeout, VLLM_KVP2P_LEASE_TIMEOUT)")
+            self.counters["lease_lapsed"] += 1
+            self._finish(hold, HoldState.EXPIRED, why, "lease_lapsed")
             return
         if hold.leases or hold.hold_deadline > now:
             return
-        self._finish(hold, HoldState.EXPIRED, f"not released within hold_timeout={self.hold_timeout:g}s")
+        self.counters["hold_expired"] += 1
+        self._finish(hold, HoldState.EXPIRED, f"not released within hold_timeout={self.hold_timeout:g}s (no decoder "
+                     "claimed it in time: D down, queued longer, or the client never sent D the params; raise "
+                     "VLLM_KVP2P_HOLD_TIMEOUT if D queues longer)", "hold_expired")
 
     def take_freed(self) -> list[str]:
         """Request ids whose blocks vLLM may free now; each id is returned exactly once."""

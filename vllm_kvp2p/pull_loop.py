@@ -62,6 +62,18 @@ logger = get_logger(__name__)
 
 #: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
 SLOW_ACTION_S = 1.0
+#: What an operator may change for each kind of failure (the WARNING of a failed pull ends with it).
+FAILURE_HINTS: dict[Failure, str] = {
+    Failure.INVALID_PARAMS: "the client sent D params no P issued, or peer_ports excludes P's ports",
+    Failure.UNAUTHENTICATED: "VLLM_KVP2P_SECRET must be the same on P and D, their clocks within clock_skew",
+    Failure.INCOMPATIBLE: "P and D must serve the same model with the same KV layout and package version",
+    Failure.UNREACHABLE: "P down, or its advertised address (host / VLLM_HOST_IP) unreachable from D; "
+                         "side_channel_timeout bounds the wait",
+    Failure.REFUSED: "P no longer holds the blocks: hold_timeout on P shorter than D's queueing",
+    Failure.TIMEOUT: "pull_timeout bounds a whole pull",
+    Failure.READ_FAILED: "a Mooncake read failed: transfer_timeout, protocol, device_name",
+    Failure.LEASE_LOST: "the read outlived the lease: lease_timeout on P vs transfer_timeout on D",
+}
 #: P instances (lane assignments, suspects) and P ranks (cached registrations) remembered, most recent kept.
 MAX_PEERS = 1024
 
@@ -275,8 +287,9 @@ class PullLoop:
                 publish(job.result())
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
-                logger.warning("pull of %s: %s with P rank %d took %.1f s", plan.request_id,
-                               type(action).__name__, action.source.p_rank, took)
+                logger.warning("pull of %s: %s with P rank %d took %.1f s (P busy or the network slow; bounded by "
+                               "%s)", plan.request_id, type(action).__name__, action.source.p_rank, took,
+                               "transfer_timeout" if isinstance(action, ReadBatch) else "side_channel_timeout")
         raise RuntimeError(f"pull of {plan.request_id} did not finish")
 
     def _perform(self, plan: PullPlan, job: ConsumerPull, action: object, client: SideChannelClient, host: str,
@@ -316,7 +329,8 @@ class PullLoop:
                     # the pull's deadline, which cannot cancel a read in progress.
                     if time.monotonic() - started > READ_RETRY_WITHIN or not job.time_left(time.monotonic()):
                         raise
-                    logger.warning("read from %s failed (%s); retrying once", action.segment, first)
+                    logger.warning("read from %s failed at once (%s); retrying once (each read is bounded by "
+                                   "transfer_timeout)", action.segment, first)
                     self.engine.read(action.segment, action.descriptors)
                 job.on_batch_done(action.source, True)
             except TransferEngineError as exc:
@@ -419,7 +433,9 @@ class PullLoop:
     def _finished(self, plan: PullPlan, result: PullResult) -> None:
         if result.reason:
             kind = result.failure.value if result.failure is not None else "not reported"
-            logger.warning("pull of %s failed (%s): %s", result.request_id, kind, result.reason)
+            hint = FAILURE_HINTS.get(result.failure) if result.failure is not None else None
+            logger.warning("pull of %s failed (%s): %s%s", result.request_id, kind, result.reason,
+                           f" [{hint}]" if hint else "")
         else:
             logger.debug("pull of %s done (%s): %d blocks, %d bytes", result.request_id, result.outcome.value,
                          result.num_blocks, result.num_bytes)

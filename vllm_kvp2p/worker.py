@@ -121,7 +121,8 @@ class WorkerSide:
         if arena is not None and all(arena.contains(v.data_ptr, v.nbytes_span) for v in views):
             return [(arena.base, arena.size)], "one arena"
         if arena is not None:
-            logger.warning("KV tensors were not allocated from the arena (vLLM did not use the hook?)")
+            logger.warning("KV tensors were not allocated from the arena (vLLM did not use the hook?): they are "
+                           "registered one by one; kv_arena=false (VLLM_KVP2P_KV_ARENA=0) skips the arena")
         regions = coalesce_regions(views)
         limit = self.platform.max_registered_regions
         if limit is not None and len(regions) > limit:

@@ -73,6 +73,7 @@ class HoldService:
                     "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
     def hold(self, request_id: str, hold_id: str, num_blocks: int = 0) -> None:
+        logger.debug("KV hold %s (hold %s): %d blocks kept for a decoder", request_id, hold_id, num_blocks)
         with self._lock:
             self.ledger.hold(request_id, hold_id, self._clock(), num_blocks)
             self._log_events()
@@ -131,6 +132,8 @@ class HoldService:
                     )
                     if reply.status is ClaimStatus.REFUSED:
                         self.ledger.tally["claims_refused"] += 1
+                    logger.debug("KV hold %s (hold %s): claim by %s: %s %s", message.request_id, message.hold_id,
+                                 message.reader, reply.status.value, reply.reason)
                     return reply
                 if isinstance(message, Renew):
                     return self.ledger.renew(
@@ -141,6 +144,8 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
                         message.lease_token, message.pulled,
                     )
+                    logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s",
+                                 message.request_id, message.hold_id, message.reader, message.pulled, held)
                     return Released(held)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:

@@ -198,3 +198,24 @@ def test_close_stops_pulls_releases_p_and_ends_in_bounded_time() -> None:
         assert pair.holds.table_sizes()["early_releases"] == 3  # each released P (before P heard of the hold)
     finally:
         pair.close()
+
+
+def test_debug_lines_follow_one_request_from_p_to_d(caplog: pytest.LogCaptureFixture) -> None:
+    """At DEBUG, P's hold, claim and release and D's pull steps all name the request and P's hold id."""
+    import logging
+
+    pair = Pair()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="vllm.kvp2p"):
+            pair.holds.hold("req-dbg", "h-dbg", 2)
+            pair.pulls.submit(pair.plan("req-dbg", [1, 2], [3, 4], hold_id="h-dbg"))
+            deadline = time.monotonic() + 30
+            while not pair.pulls.take_results() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        lines = [r.getMessage() for r in caplog.records if "req-dbg" in r.getMessage()]
+        for expected in ("2 blocks kept for a decoder", "claim by", "release by", "SendClaim", "ReadBatch",
+                         "done (pulled)"):
+            assert any(expected in line for line in lines), (expected, lines)
+        assert all(r.levelno <= logging.DEBUG for r in caplog.records if "req-dbg" in r.getMessage())
+    finally:
+        pair.close()

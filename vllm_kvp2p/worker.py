@@ -212,9 +212,11 @@ class WorkerSide:
             model_fingerprint=self.model_fingerprint,
         )
         auth = Authenticator(config.secret, config.clock_skew) if config.secret else None
+        side_channel = "none (consumer only: D contacts P's)"
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
             bind_host = config.side_channel_bind_host(self.advertised_host)
+            side_channel = f"binds {bind_host}:{port}, advertised as {self.advertised_host}:{port}"
             logger.info("rank %d: side channel binds %s:%d, advertised as %s", self.tp_rank, bind_host, port,
                         self.advertised_host)
             self.hold_service = HoldService(
@@ -227,7 +229,7 @@ class WorkerSide:
             self.tp_rank, self.dp_rank, "/".join(r for r, on in (("producer", self.is_producer),
                                                                    ("consumer", self.is_consumer)) if on),
             protocol, self.engine.segment, sum(size for _, size in regions) >> 20, len(regions), how,
-            self._side_channel_text(), "authenticated" if auth is not None else "unauthenticated",
+            side_channel, "authenticated" if auth is not None else "unauthenticated",
             PROTOCOL_VERSION, config.describe(),
         )
         if self.is_consumer:
@@ -321,13 +323,6 @@ class WorkerSide:
                 noise = torch.randn(t.index_select(dim, ids).shape, dtype=torch.float32).to(t.dtype)
                 t.index_copy_(dim, ids, noise * 4)
         logger.warning("TEST HOOK: corrupted %d pulled blocks of %s", len(ids), result.request_id)
-
-    def _side_channel_text(self) -> str:
-        if not self.is_producer:
-            return "none (consumer only: D contacts P's)"
-        port = self.config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
-        bind = self.config.side_channel_bind_host(self.advertised_host)
-        return f"binds {bind}:{port}, advertised as {self.advertised_host}:{port}"
 
     def table_sizes(self) -> dict[str, int]:
         """P's ledger and D's pull tables (whichever this worker has), e.g. ``{"holds": 0, "suspects": 0}``."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
+from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
@@ -167,22 +167,11 @@ class NetnsPair:
         return self.proxy.url
 
     def __enter__(self) -> NetnsPair:
-        try:
-            self.prefill.start()
-            self.decode.start()
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-            self.proxy = ProxyProcess.start([self.prefill.url], [self.decode.url], self.log_dir / "proxy.log")
-        except BaseException:
-            self.__exit__()
-            raise
+        self.proxy = start_deployment([self.prefill], [self.decode], self.log_dir / "proxy.log")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        self.decode.stop()
-        self.prefill.stop()
+        stop_deployment(self.proxy, [self.prefill, self.decode])
 
 
 # The cut-off test's hold expires after hold_timeout; a claim that D sent while the link was down may still

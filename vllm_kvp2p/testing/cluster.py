@@ -84,6 +84,29 @@ class ProxyProcess:
                 self.proc.wait(timeout=10)
 
 
+def start_deployment(producers: list[VllmServer], decoders: list[VllmServer], proxy_log: Path) -> ProxyProcess:
+    """Start every engine (they boot in parallel), wait until all serve, then the proxy in front of them; if
+    anything fails, stop what was started."""
+    servers = [*producers, *decoders]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        return ProxyProcess.start([p.url for p in producers], [d.url for d in decoders], proxy_log)
+    except BaseException:
+        stop_deployment(None, servers)
+        raise
+
+
+def stop_deployment(proxy: ProxyProcess | None, servers: list[VllmServer]) -> None:
+    """The proxy first, then the engines, decoders before producers (the reverse of start_deployment)."""
+    if proxy is not None:
+        proxy.stop()
+    for server in reversed(servers):
+        server.stop()
+
+
 @dataclass
 class PDCluster:
     """P on core 0, D on core 1 (vLLM's CPU workers are pinned), proxy in front."""
@@ -122,22 +145,11 @@ class PDCluster:
         return self.proxy.url
 
     def start(self) -> PDCluster:
-        try:
-            self.prefill.start()
-            self.decode.start()  # both engines boot in parallel
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-            self.proxy = ProxyProcess.start([self.prefill.url], [self.decode.url], self.log_dir / "proxy.log")
-        except BaseException:
-            self.stop()
-            raise
+        self.proxy = start_deployment([self.prefill], [self.decode], self.log_dir / "proxy.log")
         return self
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        self.decode.stop()
-        self.prefill.stop()
+        stop_deployment(self.proxy, [self.prefill, self.decode])
 
     def __enter__(self) -> PDCluster:
         return self.start()

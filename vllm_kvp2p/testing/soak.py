@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
+from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
 
 VOCAB = 512  # the tiny model's
@@ -255,23 +255,11 @@ class SoakCluster:
         return [*self.producers, self.decode]
 
     def __enter__(self) -> SoakCluster:
-        try:
-            for server in self.engines:
-                server.start()
-            for server in self.engines:
-                server.wait_ready()
-            self.proxy = ProxyProcess.start([p.url for p in self.producers], [self.decode.url],
-                                            self.log_dir / "proxy.log")
-        except BaseException:
-            self.__exit__()
-            raise
+        self.proxy = start_deployment(self.producers, [self.decode], self.log_dir / "proxy.log")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        for server in self.engines:
-            server.stop()
+        stop_deployment(self.proxy, self.engines)
 
 
 def _kv_usage(server: VllmServer) -> float:

@@ -82,7 +82,7 @@ MAX_PEERS = 1024
 class TimedResult:
     result: PullResult
     seconds: float  # from the plan reaching the thread to P's release being sent
-    claim_seconds: float | None = None  # the first granted claim's round trip
+    claim_seconds: float | None = None  # the round trip of the pull's first claim (whatever P answered)
 
 
 class _Lane:

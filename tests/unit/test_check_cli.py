@@ -158,3 +158,25 @@ def test_the_console_script_runs() -> None:
     assert "0 problem(s)" in done.stdout and "side_channel_port" in done.stdout
     ref = subprocess.run([script, "config-reference"], capture_output=True, text=True, timeout=120)
     assert ref.returncode == 0 and "| `hold_timeout` | `VLLM_KVP2P_HOLD_TIMEOUT` |" in ref.stdout
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "@/nonexistent/kv.json"])
+def test_an_unreadable_kv_transfer_config_exits_2_with_one_line(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--no-engine", "--kv-transfer-config", text]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("PROBLEM  --kv-transfer-config: ")
+
+
+@pytest.mark.parametrize("extra", [5, "x" * 100_000, [1, 2]])
+def test_extra_config_of_the_wrong_type_is_a_problem(extra: object) -> None:
+    report = run({**PRODUCER, "kv_connector_extra_config": extra}, _env(side_channel_port=str(free_port())),
+                 engine=False)
+    assert ("kv_connector_extra_config", f"must be a JSON object, got {extra!r}") in problems(report)
+
+
+@pytest.mark.parametrize("value", ["-5", "1e309", "99999999999999999999", "nan"])
+def test_absurd_setting_values_are_problems_naming_the_setting(value: str) -> None:
+    report = run(PRODUCER, _env(side_channel_port=value), engine=False)
+    # A value that does not parse is named as given (the variable), one that parses but is out of range by key.
+    assert [s for s, _ in problems(report)] in (["side_channel_port"], ["VLLM_KVP2P_SIDE_CHANNEL_PORT"]), \
+        report.to_text()

@@ -52,8 +52,11 @@ class HoldService:
         max_early_releases: int = MAX_EARLY_RELEASES,
         early_release_ttl: float = EARLY_RELEASE_TTL,
         auth: Authenticator | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
+        """``on_release``: called (on the side-channel thread) after each release, which may free a hold."""
         self.registration = registration
+        self._on_release = on_release
         self.ledger = ProducerLedger(
             hold_timeout, lease_timeout, max_holds=max_holds, max_early_releases=max_early_releases,
             early_release_ttl=early_release_ttl,
@@ -146,6 +149,8 @@ class HoldService:
                     )
                     logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s",
                                  message.request_id, message.hold_id, message.reader, message.pulled, held)
+                    if self._on_release is not None:
+                        self._on_release()
                     return Released(held)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:

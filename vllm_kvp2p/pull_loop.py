@@ -115,7 +115,9 @@ class PullLoop:
         pull_timeout: float = 60.0,
         auth: Authenticator | None = None,
         suspect_time: float = 10.0,
+        on_result: Callable[[], None] | None = None,
     ) -> None:
+        """``on_result``: called (on a pull thread) after each result is ready for :meth:`take_results`."""
         self.engine = engine
         self.reader = reader
         self.tp_size = tp_size
@@ -125,6 +127,7 @@ class PullLoop:
         self.claim_wait = claim_wait
         self.max_batch_entries = max_batch_entries
         self.after_pull = after_pull
+        self.on_result = on_result
         self.pull_timeout = pull_timeout
         self.auth = auth
         # P instances (host, base port) that did not answer, until when: a plan for one first probes it (a short
@@ -233,6 +236,8 @@ class PullLoop:
                         claim = self._claim_seconds.pop(result.request_id, None)
                         with self._results_lock:
                             self._results.append(TimedResult(result, time.perf_counter() - t0, claim))
+                        if self.on_result is not None:
+                            self.on_result()
 
                 try:
                     publish(self._handle_request(plan, client, publish))

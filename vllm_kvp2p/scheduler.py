@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from vllm_kvp2p import step_wakeup
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
@@ -225,11 +226,15 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVP2PMetadata:
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.config.idle_step_sleep > 0:
-            # Only kept alive by holds or pending loads: yield the cores to the threads that move the KV.
-            time.sleep(self.config.idle_step_sleep)
         holds, self._holds = self._holds, []
-        return KVP2PMetadata(holds=holds, pulls=self.consumer.take_plans())
+        pulls = self.consumer.take_plans()
+        if (scheduler_output.total_num_scheduled_tokens == 0 and not holds and not pulls
+                and self.config.idle_step_sleep > 0):
+            # Only kept alive by holds or pending loads: yield the cores to the threads that move the KV, until
+            # the worker has news (step_wakeup). A step with holds or plans to ship never waits: a decoder may be
+            # claiming that hold already, and a plan's pull starts only when the worker has it.
+            step_wakeup.idle_wait(self.engine_id, self.config.idle_step_sleep)
+        return KVP2PMetadata(holds=holds, pulls=pulls)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -7,11 +7,13 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvp2p import step_wakeup
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
@@ -222,6 +224,7 @@ class WorkerSide:
             self.hold_service = HoldService(
                 registration, bind_host, port,
                 hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
+                on_release=functools.partial(step_wakeup.notify, self.engine_id),
             )
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
@@ -247,6 +250,7 @@ class WorkerSide:
                 max_batch_entries=config.max_batch_entries,
                 max_threads=config.pull_threads,
                 after_pull=self._corrupt if config.test_hooks else None,
+                on_result=functools.partial(step_wakeup.notify, self.engine_id),
             )
 
     # ------------------------------------------------------------------ per step

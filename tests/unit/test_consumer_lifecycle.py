@@ -161,7 +161,7 @@ def test_unknown_claim_is_retried_then_refused_after_claim_wait() -> None:
     job.on_registration(SRC, registration())
     job.next_action(0)
     job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=0.1)
-    assert isinstance(job.next_action(0.11), Wait)
+    assert isinstance(job.next_action(0.1005), Wait)
     assert isinstance(job.next_action(0.2), SendClaim)
     job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=1.5)  # past claim_wait
     rel = job.next_action(1.5)
@@ -169,6 +169,23 @@ def test_unknown_claim_is_retried_then_refused_after_claim_wait() -> None:
     job.on_release_sent(rel.source)
     r = job.next_action(1.5).result
     assert r.outcome is Outcome.FAILED and r.report_finished and r.report_failed
+
+
+def test_unknown_claim_retry_starts_at_1_ms_and_backs_off_to_50_ms() -> None:
+    """P usually learns of a hold within a ms of answering: the first retry must not wait the old 50 ms, and a P
+    slow to step is asked at most every 50 ms."""
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(SRC, registration())
+    now, waits = 0.0, []
+    for _ in range(10):
+        assert isinstance(job.next_action(now), SendClaim)
+        job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=now)
+        wait = job.next_action(now)
+        assert isinstance(wait, Wait)
+        waits.append(round((wait.until - now) * 1000, 3))
+        now = wait.until
+    assert waits == [1, 2, 4, 8, 16, 32, 50, 50, 50, 50]
 
 
 def test_refused_claim_fails_and_still_releases() -> None:

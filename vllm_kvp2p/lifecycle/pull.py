@@ -26,6 +26,10 @@ from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
 
+# Retry of a claim P has not heard of yet ("unknown"): first after 1 ms, doubling up to 50 ms.
+UNKNOWN_RETRY_FIRST = 0.001
+UNKNOWN_RETRY_MAX = 0.05
+
 
 @dataclass(frozen=True)
 class LocalKV:
@@ -144,6 +148,7 @@ class _SourceState:
     registration: RankRegistration | None = None
     claim_deadline: float = 0.0  # give up waiting for P to learn of the hold
     retry_at: float = 0.0
+    unknown_claims: int = 0  # claims P answered "unknown" so far: the retry backoff's exponent
     renew_at: float = 0.0
     lease: float = 0.0
     lease_token: str = ""  # from P's GRANTED claim reply; renewals and the release carry it
@@ -271,7 +276,11 @@ class ConsumerPull:
                 self._next_source()
             return
         if reply.status is ClaimStatus.UNKNOWN and now < st.claim_deadline:
-            st.retry_at = now + min(0.05, max(0.0, st.claim_deadline - now))
+            # P learns of a hold at the start of its next engine step, usually within a ms of its answer: retry
+            # soon, then back off (1, 2, 4 ... 50 ms) so a P that is slow to step is not flooded.
+            backoff = min(UNKNOWN_RETRY_MAX, UNKNOWN_RETRY_FIRST * 2 ** min(st.unknown_claims, 16))
+            st.unknown_claims += 1
+            st.retry_at = now + min(backoff, max(0.0, st.claim_deadline - now))
             return
         if reply.status is ClaimStatus.REFUSED:
             why = reply.reason

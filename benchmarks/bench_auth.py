@@ -89,7 +89,8 @@ def main() -> None:
         counter = iter(range(10**9))
         try:
             rows.append((label, per_op_us(
-                lambda: client.request("127.0.0.1", port, Claim("r", "h", f"d:{next(counter)}", 1)),
+                lambda client=client, port=port, counter=counter: client.request(
+                    "127.0.0.1", port, Claim("r", "h", f"d:{next(counter)}", 1)),
                 max(50, args.reps // 100)), len(claim)))
         finally:
             client.close()

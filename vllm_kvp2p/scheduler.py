@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvp2p import step_wakeup
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
@@ -24,6 +23,7 @@ from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.step_wakeup import StepWaiter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,6 +125,8 @@ class SchedulerSide:
         )
         self._holds: list[HoldOrder] = []
         self._reports: dict[str, PullReport] = {}
+        # Idle steps sleep until a worker of this engine has news (vllm_kvp2p/step_wakeup.py).
+        self._idle = StepWaiter(engine_id, data_parallel_index(parallel))
         # Failed pulls by kind, one per request (the workers' reports merged): the scheduler-side stats vLLM
         # merges into the connector's metrics (the workers count pulls, per rank).
         self.stats = Kvp2pStats()
@@ -233,7 +235,7 @@ class SchedulerSide:
             # Only kept alive by holds or pending loads: yield the cores to the threads that move the KV, until
             # the worker has news (step_wakeup). A step with holds or plans to ship never waits: a decoder may be
             # claiming that hold already, and a plan's pull starts only when the worker has it.
-            step_wakeup.idle_wait(self.engine_id, self.config.idle_step_sleep)
+            self._idle.wait(self.config.idle_step_sleep)
         return KVP2PMetadata(holds=holds, pulls=pulls)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

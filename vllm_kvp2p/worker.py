@@ -7,13 +7,11 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p import step_wakeup
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
@@ -29,6 +27,7 @@ from vllm_kvp2p.platform.base import KVArenaLike
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.step_wakeup import StepNotifier
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry, planes_of
 from vllm_kvp2p.transfer.slicing import BlockShape
@@ -94,6 +93,8 @@ class WorkerSide:
         # takes them from the model runner's thread (get_kv_connector_stats), as it calls get_transfer_results.
         self._stats = Kvp2pStats()
         self._stats_lock = threading.Lock()
+        # Ends the scheduler's idle sleep when a pull finishes or P is released (vllm_kvp2p/step_wakeup.py).
+        self._step_news = StepNotifier(engine_id, self.dp_rank)
 
     # ------------------------------------------------------------------ start-up
 
@@ -224,7 +225,7 @@ class WorkerSide:
             self.hold_service = HoldService(
                 registration, bind_host, port,
                 hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
-                on_release=functools.partial(step_wakeup.notify, self.engine_id),
+                on_release=self._step_news.notify,
             )
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
@@ -250,7 +251,7 @@ class WorkerSide:
                 max_batch_entries=config.max_batch_entries,
                 max_threads=config.pull_threads,
                 after_pull=self._corrupt if config.test_hooks else None,
-                on_result=functools.partial(step_wakeup.notify, self.engine_id),
+                on_result=self._step_news.notify,
             )
 
     # ------------------------------------------------------------------ per step
@@ -360,6 +361,7 @@ class WorkerSide:
             except Exception:  # shutdown must finish whatever one part does
                 logger.exception("error while shutting down the KV connector worker")
         self.pull_loop = self.hold_service = self.engine = None
+        self._step_news.close()
 
 
 def _closers(*parts: Any) -> Iterable[Any]:

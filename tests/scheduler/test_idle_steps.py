@@ -9,13 +9,13 @@ import pytest
 
 from tests.scheduler.harness import make_request, make_scheduler, make_vllm_config, step, tokens
 from tests.scheduler.test_scheduler_lifecycle import prefill_on_p
-from vllm_kvp2p import step_wakeup
+from vllm_kvp2p.step_wakeup import StepWaiter
 
 
 @pytest.fixture
 def waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
     calls: list[tuple[str, float]] = []
-    monkeypatch.setattr(step_wakeup, "idle_wait", lambda engine_id, seconds: calls.append((engine_id, seconds)))
+    monkeypatch.setattr(StepWaiter, "wait", lambda self, seconds: calls.append((self.engine_id, seconds)))
     return calls
 
 

@@ -1,28 +1,76 @@
-"""The idle step's wait ends when the worker has news, and only for its own engine."""
+"""The idle step's wait ends when a worker of its engine has news, across processes, and only for that engine."""
 
 from __future__ import annotations
 
-import threading
+import multiprocessing as mp
+import uuid
 
-from vllm_kvp2p import step_wakeup
+import pytest
 
-
-def test_news_ends_the_wait_and_is_consumed() -> None:
-    step_wakeup.notify("engine-a")
-    assert step_wakeup.idle_wait("engine-a", 5.0)  # would sleep 5 s without the news
-    assert not step_wakeup.idle_wait("engine-a", 0.001)  # consumed: the next idle step sleeps again
+from vllm_kvp2p.step_wakeup import StepNotifier, StepWaiter
 
 
-def test_news_from_another_thread_wakes_a_waiting_step() -> None:
-    timer = threading.Timer(0.01, step_wakeup.notify, args=("engine-b",))
-    timer.start()
+@pytest.fixture
+def engine_id() -> str:
+    return "engine-" + uuid.uuid4().hex
+
+
+def test_news_ends_the_wait_and_is_consumed(engine_id: str) -> None:
+    waiter, notifier = StepWaiter(engine_id, 0), StepNotifier(engine_id, 0)
     try:
-        assert step_wakeup.idle_wait("engine-b", 30.0)
+        assert waiter.listening
+        assert not waiter.wait(0.001)  # no news: the plain sleep
+        notifier.notify()
+        notifier.notify()
+        assert waiter.wait(30.0)  # would sleep 30 s without the news
+        assert not waiter.wait(0.001)  # both bytes consumed by the one wake-up
     finally:
-        timer.cancel()
+        waiter.close()
+        notifier.close()
 
 
-def test_news_of_another_engine_does_not_wake() -> None:
-    step_wakeup.notify("engine-c")
-    assert not step_wakeup.idle_wait("engine-d", 0.001)
-    assert step_wakeup.idle_wait("engine-c", 0.001)
+def _notify(engine_id: str) -> None:
+    notifier = StepNotifier(engine_id, 0)
+    notifier.notify()
+    notifier.close()
+
+
+def test_news_from_a_worker_process_wakes_the_scheduler(engine_id: str) -> None:
+    waiter = StepWaiter(engine_id, 0)
+    try:
+        proc = mp.get_context("spawn").Process(target=_notify, args=(engine_id,))
+        proc.start()
+        assert waiter.wait(60.0)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        waiter.close()
+
+
+def test_news_of_another_engine_or_dp_rank_does_not_wake(engine_id: str) -> None:
+    waiter = StepWaiter(engine_id, 0)
+    try:
+        StepNotifier(engine_id, 1).notify()
+        StepNotifier("other-" + engine_id, 0).notify()
+        assert not waiter.wait(0.01)
+    finally:
+        waiter.close()
+
+
+def test_a_second_scheduler_of_the_same_engine_sleeps_plainly(engine_id: str) -> None:
+    first, second = StepWaiter(engine_id, 0), StepWaiter(engine_id, 0)
+    try:
+        assert first.listening and not second.listening
+        StepNotifier(engine_id, 0).notify()
+        assert not second.wait(0.001)
+        assert first.wait(1.0)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_notify_without_a_scheduler_is_harmless(engine_id: str) -> None:
+    notifier = StepNotifier(engine_id, 0)
+    for _ in range(10_000):  # nobody bound: every send fails quietly
+        notifier.notify()
+    notifier.close()

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_transfer as bt  # noqa: E402  (geometry, P process)
 
-P_BLOCKS = 160  # blocks per P side
+P_BLOCKS = 200  # blocks per P side (3 pulls of 64 from one P)
 
 
 class Producer:

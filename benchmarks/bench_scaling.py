@@ -73,7 +73,8 @@ def sweep(layers: int, blocks: list[int], reps: int, sample: int) -> list[dict[s
         if not parent.poll(300):
             raise TimeoutError("P process did not come up in 300 s")
         p_info = parent.recv()
-        puller = bt.Puller(g, engine, region, tensors, p_info, parent, random.Random(0), sample)
+        # A sample can only pick among layers x blocks distinct pairs (the 1-block warm-up: the layers).
+        puller = bt.Puller(g, engine, region, tensors, p_info, parent, random.Random(0), min(sample, layers))
         puller.descriptor_reads([0], [0])  # warm-up: handshake and lanes, then the registration fetch
         puller.connector([1], [1], check=False)
         for n in blocks:

@@ -203,6 +203,10 @@ def report(results: dict[str, dict[str, Any]], rates: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
@@ -217,6 +221,8 @@ def main() -> None:
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    # A `timeout` around this script sends SIGTERM: raise, so that `serve`'s finally stops the engines it started.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     model = make_tiny_llama(args.model_dir)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvp2p-serving-"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,9 @@ class StepWaiter:
             sock.bind(address(engine_id, dp_rank))
             sock.setblocking(False)
             self._sock = sock
+            # poll, not select: an engine process may hold more than select's 1024 descriptors.
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN)
         except OSError as exc:  # not Linux, or taken: plain sleeps, which are what this replaces
             sock.close()
             logger.debug("idle steps sleep the full idle_step_sleep: cannot bind the step wake-up socket (%s)", exc)
@@ -55,8 +58,7 @@ class StepWaiter:
         if self._sock is None:
             time.sleep(seconds)
             return False
-        ready, _, _ = select.select([self._sock], [], [], seconds)
-        if not ready:
+        if not self._poll.poll(seconds * 1000):
             return False
         for _ in range(1024):  # drain: one wake-up for all the news so far (bounded: datagrams are queued)
             try:

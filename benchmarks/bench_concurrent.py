@@ -60,15 +60,7 @@ class Producer:
         return self.conn.recv()
 
     def stop(self) -> None:
-        try:
-            self.conn.send(("stop", None))
-            self.conn.poll(10) and self.conn.recv()
-        except (OSError, EOFError):
-            pass
-        self.proc.join(timeout=15)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
+        bt.stop_p_process(self.conn, self.proc)
 
 
 class Consumer:

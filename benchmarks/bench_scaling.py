@@ -96,15 +96,7 @@ def sweep(layers: int, blocks: list[int], reps: int, sample: int) -> list[dict[s
     finally:
         if puller is not None:
             puller.close()
-        try:
-            parent.send(("stop", None))
-            parent.poll(10) and parent.recv()
-        except (OSError, EOFError):
-            pass
-        proc.join(timeout=15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
+        bt.stop_p_process(parent, proc)
         engine.close()
         del tensors, keep
     return rows

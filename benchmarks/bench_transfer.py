@@ -173,6 +173,22 @@ def p_main(conn, g: dict[str, int]) -> None:
             engine.close()
 
 
+def stop_p_process(conn, proc) -> None:
+    """Ask the P process of :func:`p_main` to stop; terminate, then kill it if it does not exit."""
+    try:
+        conn.send(("stop", None))
+        conn.poll(10) and conn.recv()
+    except (OSError, EOFError):
+        pass
+    proc.join(timeout=15)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=5)
+
+
 # --------------------------------------------------------------------------- section 1: registration
 
 
@@ -741,18 +757,7 @@ def main() -> int:
         res["pulls"] = bench_pulls(g, settings["pull_reps"], settings["pull_budget_s"], state, d_tensors, p_info,
                                    parent, rng, args.sample)
     finally:
-        try:
-            parent.send(("stop", None))
-            parent.poll(10) and parent.recv()
-        except (OSError, EOFError):
-            pass
-        proc.join(timeout=15)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
+        stop_p_process(parent, proc)
         state["engine"].close()
     del d_tensors, keep
     res["machine"]["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]

@@ -21,6 +21,9 @@ client's clock and the engines' log lines (one machine: one clock), each stage i
     P answered a claim     ("claim by ...: granted/unknown", P's side channel; unknown = P had not the hold yet)
     D sent the release     ("... SendRelease")
     D's pull done          ("pull of ... done", D's pull thread)
+    D's worker reported it ("rank N reports the receives of ...", get_finished in D's next engine step)
+    D's scheduler knows    ("receives of ... reached the scheduler", that step's output)
+    D scheduled it         ("scheduled ... with its pulled KV", the step that computes the first token)
     first token            (client: first streamed chunk with a token)
 
 and the floor the performance issue sets: single-instance TTFT + the pull (claim sent -> pull done) + one D decode
@@ -58,7 +61,8 @@ LOGGING_CONFIG = {
     },
 }
 
-STAGES = ("proxy_has_p_answer", "p_hold", "d_plan", "d_claim", "p_claim", "d_release", "d_done", "first_token")
+STAGES = ("proxy_has_p_answer", "p_hold", "d_plan", "d_claim", "p_claim", "d_release", "d_done", "d_reported",
+          "d_known", "d_scheduled", "first_token")
 LINE = re.compile(r"^@(\d+\.\d+) (\w+) (\S+) (.*)$")
 PROXY_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: request (\S+) \S+: prefill \S+ "
                         r"\(([\d.]+) ms\)")
@@ -133,6 +137,9 @@ def timeline(req: Streamed, p_ev: list, d_ev: list, px_ev: list) -> dict[str, fl
         "p_claim": first(p_ev, lo, hi, ": claim by "),
         "d_release": first(d_ev, lo, hi, "SendRelease"),
         "d_done": first(d_ev, lo, hi, "done (pulled)"),
+        "d_reported": first(d_ev, lo, hi, "reports the receives of"),
+        "d_known": first(d_ev, lo, hi, "reached the scheduler"),
+        "d_scheduled": first(d_ev, lo, hi, "with its pulled KV"),
         "first_token": req.first,
     }
     row: dict[str, float | None] = {k: (1000 * (v - lo) if v is not None else None) for k, v in at.items()}

@@ -7,6 +7,7 @@ into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -228,6 +229,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVP2PMetadata:
+        if self.is_consumer and logger.isEnabledFor(logging.DEBUG):
+            for new in scheduler_output.scheduled_new_reqs:  # follow a request: its first step after the pull
+                if self.consumer.is_planned(new.req_id):
+                    logger.debug("scheduled %s with its pulled KV", new.req_id)
         holds, self._holds = self._holds, []
         pulls = self.consumer.take_plans()
         if (scheduler_output.total_num_scheduled_tokens == 0 and not holds and not pulls
@@ -239,6 +244,8 @@ class SchedulerSide:
         return KVP2PMetadata(holds=holds, pulls=pulls)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.finished_recving and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("receives of %s reached the scheduler", sorted(connector_output.finished_recving))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVP2PWorkerMetadata):
             # Keep reports only for requests still alive; an aborted one's pull may end after it finished.

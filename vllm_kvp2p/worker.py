@@ -7,6 +7,7 @@ never touches torch on the request path, except for the test-only corruption hoo
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -286,6 +287,8 @@ class WorkerSide:
                     not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason,
                     r.failure.value if r.failure is not None else "",
                 )
+        if recving and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("rank %d reports the receives of %s to the scheduler", self.tp_rank, sorted(recving))
         return sending, recving, failed
 
     def get_kv_connector_stats(self) -> Kvp2pStats:

@@ -79,6 +79,33 @@ def test_unauthenticated_params_make_d_contact_no_one() -> None:
     assert open_plan is not None and open_plan.contact_p and not open_plan.error
 
 
+def test_one_admission_checks_the_signature_once() -> None:
+    """vLLM calls matched_tokens then on_alloc in one scheduler pass: the HMAC is checked in the first only."""
+    params = issued().to_params()
+    a, calls = auth(), []
+
+    def authenticate(remote: RemotePrefill) -> str:
+        calls.append(remote.remote_request_id)
+        return a.params_problem(remote, NOW)
+
+    schedule = ConsumerSchedule(BS, authenticate=authenticate)
+    assert schedule.matched_tokens("d1", params, PROMPT, 0) == (PROMPT, True)
+    plan = schedule.on_alloc("d1", params, PROMPT, [[1, 2, 3, 4]], 0, PROMPT)
+    assert plan is not None and plan.contact_p and not plan.error
+    assert len(calls) == 1
+    schedule.take_plans()
+    # The kept check is for that pass and those params only: other params, or a later pass, are checked again.
+    forged = {**params, "remote_host": "10.6.6.6"}
+    assert schedule.matched_tokens("d2", params, PROMPT, 0) == (PROMPT, True)
+    plan = schedule.on_alloc("d2", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert plan is not None and plan.failure is Failure.UNAUTHENTICATED and not plan.contact_p
+    assert len(calls) == 3
+    assert schedule.matched_tokens("d3", params, PROMPT, 0) == (PROMPT, True)
+    schedule.take_plans()
+    plan = schedule.on_alloc("d3", params, PROMPT, [[5, 6, 7, 8]], 0, PROMPT)
+    assert plan is not None and not plan.error and len(calls) == 5
+
+
 # --------------------------------------------------------------------------- side-channel frames
 
 

@@ -74,3 +74,54 @@ def test_notify_without_a_scheduler_is_harmless(engine_id: str) -> None:
     for _ in range(10_000):  # nobody bound: every send fails quietly
         notifier.notify()
     notifier.close()
+
+
+def test_a_flood_of_datagrams_only_shortens_idle_sleeps(engine_id: str) -> None:
+    """Anyone in the network namespace can send to the socket: big or many datagrams. Each wait stays bounded (the
+    drain reads at most 1024 datagrams, 16 bytes of each), and once the flood stops the waits sleep again."""
+    import socket
+    import threading
+    import time
+
+    from vllm_kvp2p.step_wakeup import address
+
+    waiter = StepWaiter(engine_id, 0)
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        payloads = (b"!", b"\xff" * 60_000)
+        deadline = time.monotonic() + 10  # bounded even if the test body fails
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                sock.sendto(payloads[sent[0] % 2], address(engine_id, 0))
+                sent[0] += 1
+            except BlockingIOError:  # the queue is full: the kernel bounds it
+                time.sleep(0.0005)
+        sock.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        flooder.start()
+        slowest, woken = 0.0, 0
+        start = time.monotonic()
+        while time.monotonic() - start < 0.5:
+            t0 = time.monotonic()
+            woken += waiter.wait(5.0)  # would sleep 5 s without news
+            slowest = max(slowest, time.monotonic() - t0)
+        stop.set()
+        flooder.join(10)
+        assert not flooder.is_alive()
+        assert sent[0] > 1024 and woken > 0
+        assert slowest < 2.0, f"one wait under the flood took {slowest:.2f} s"
+        # What is queued drains in a few wake-ups (each takes up to 1024), then the plain sleep is back.
+        for _ in range(200):
+            if not waiter.wait(0.001):
+                break
+        else:
+            pytest.fail("the waiter still wakes 200 waits after the flood stopped")
+    finally:
+        stop.set()
+        waiter.close()

@@ -44,6 +44,9 @@ class Failure(str, Enum):
 # Test-only key of kv_transfer_params, see KVP2PConfig.test_hooks.
 TEST_CORRUPT_KEY = "kvp2p_test_corrupt"
 
+# Params checks kept for one scheduler pass (more waiting requests than this are simply checked twice).
+MAX_CHECKED = 4096
+
 
 @dataclass(frozen=True)
 class PullPlan:
@@ -91,19 +94,27 @@ class ConsumerSchedule:
         self._holdback = 1 if has_state(self.groups) else 0
         self._planned: set[str] = set()
         self._pending: list[PullPlan] = []
+        # matched_tokens' checks of a request's params, for on_alloc in the same scheduler pass (vLLM calls the
+        # two back to back): with a secret the check is an HMAC, the largest share of an admission. Cleared by
+        # take_plans, once per step; keyed to the params object and prompt length it was made for.
+        self._checked: dict[str, tuple[dict[str, Any], int, RemotePrefill, tuple[str, bool, Failure]]] = {}
 
     def matched_tokens(
         self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, num_local_computed: int
     ) -> tuple[int, bool]:
-        """Tokens D can load from P beyond its local prefix-cache hit. No side effects. Params that parse but are
-        invalid (:meth:`RemotePrefill.problem`) still ask for the prompt, so that the failed plan made for them
-        ends the request the way vLLM's ``kv_load_failure_policy`` says (recompute, or an error)."""
+        """Tokens D can load from P beyond its local prefix-cache hit. No side effect but keeping the params check
+        for :meth:`on_alloc` in this scheduler pass. Params that parse but are invalid
+        (:meth:`RemotePrefill.problem`) still ask for the prompt, so that the failed plan made for them ends the
+        request the way vLLM's ``kv_load_failure_policy`` says (recompute, or an error)."""
         if request_id in self._planned or not params or not params.get("do_remote_prefill"):
             return 0, False
         remote = RemotePrefill.from_params(params)
         if remote is None:
             return 0, False
-        if self._problem(remote, num_prompt_tokens)[0]:
+        checked = self._problem(remote, num_prompt_tokens)
+        if len(self._checked) < MAX_CHECKED:
+            self._checked[request_id] = (params, num_prompt_tokens, remote, checked)
+        if checked[0]:
             count = num_prompt_tokens - 1 - num_local_computed
             return (count, True) if count > 0 else (0, False)
         count = self.prompt_end(remote.remote_num_tokens, num_prompt_tokens) - num_local_computed
@@ -133,13 +144,18 @@ class ConsumerSchedule:
         ending with the block of the last token D loads (vLLM's ``get_unhashed_block_ids_all_groups``)."""
         if request_id in self._planned or not params or not params.get("do_remote_prefill"):
             return None
-        remote = RemotePrefill.from_params(params)
-        if remote is None:
-            return None
+        cached = self._checked.pop(request_id, None)
+        if cached is not None and cached[0] is params and cached[1] == num_prompt_tokens:
+            remote, (problem, contact_p, failure) = cached[2], cached[3]
+        else:
+            parsed = RemotePrefill.from_params(params)
+            if parsed is None:
+                return None
+            remote = parsed
+            problem, contact_p, failure = self._problem(
+                remote, num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens
+            )
         self._planned.add(request_id)
-        problem, contact_p, failure = self._problem(
-            remote, num_prompt_tokens if num_prompt_tokens is not None else remote.remote_num_tokens
-        )
         if problem:
             # Nothing is read; P is still released if its side channel is addressable (it may hold the blocks).
             plan = PullPlan(request_id, remote, tuple(tuple(g) for g in unhashed_block_ids), (),
@@ -193,7 +209,9 @@ class ConsumerSchedule:
         return request_id in self._planned
 
     def take_plans(self) -> list[PullPlan]:
+        """The plans made since the last call; once per scheduler step (it also ends the step's params checks)."""
         plans, self._pending = self._pending, []
+        self._checked.clear()
         return plans
 
     def _pull_plan(

@@ -13,6 +13,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
+
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL, MAX_EARLY_RELEASES, MAX_HOLDS, ProducerLedger
 from vllm_kvp2p.log import get_logger
@@ -137,6 +139,8 @@ class HoldService:
                         self.ledger.tally["claims_refused"] += 1
                     logger.debug("KV hold %s (hold %s): claim by %s: %s %s", message.request_id, message.hold_id,
                                  message.reader, reply.status.value, reply.reason)
+                    if message.with_registration:  # what GetRegistration would answer, in the same round trip
+                        reply = msgspec.structs.replace(reply, registration=self.registration)
                     return reply
                 if isinstance(message, Renew):
                     return self.ledger.renew(

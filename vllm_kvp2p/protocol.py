@@ -184,6 +184,9 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
     # Random per pull, known only to D and P: a claim resent after a lost reply (same id) gets the same lease
     # back; anyone else naming this reader does not.
     claim_id: str = ""
+    # D has no registration of this rank yet: send it with the reply (one round trip instead of two for a new P;
+    # a P of an older release ignores the field and D fetches it after the claim).
+    with_registration: bool = False
 
 
 class Renew(msgspec.Struct, frozen=True, tag="renew"):
@@ -219,6 +222,7 @@ class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
     lease: float = 0.0  # seconds the claim stays valid without renewal
     reason: str = ""
     lease_token: str = ""  # GRANTED: what renewals and the release of this lease must carry
+    registration: RankRegistration | None = None  # this rank's, when the claim asked for it
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

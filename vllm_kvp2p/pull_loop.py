@@ -311,15 +311,23 @@ class PullLoop:
             if cached is not None and (cached.engine_id, cached.incarnation) != (r.remote_engine_id,
                                                                                 r.remote_incarnation):
                 cached = None  # P restarted at this endpoint (or the params are not from it): fetch and check
+            if cached is None:
+                self._registrations.pop(endpoint, None)  # P restarted, or these params are not for it
+                if action.join_claim:  # a new P: its registration comes with the claim's reply
+                    job.with_claim(action.source)
+                    return
             reg, err = (cached, "") if cached is not None else self._fetch_registration(client, job, endpoint,
                                                                                           action.source)
             if job.on_registration(action.source, reg, err) and reg is not None:
                 _put_recent(self._registrations, endpoint, reg)
-            elif cached is not None:  # P restarted, or these params are not for it: fetch afresh next time
+            elif cached is not None:  # these params do not fit it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
-            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
-            job.on_claim_reply(action.source, reply, time.monotonic(), err)
+            endpoint = (host, base_port + action.source.p_rank)
+            reply, err = self._ask(client, host, endpoint[1], action.message, job)
+            if job.on_claim_reply(action.source, reply, time.monotonic(), err) and reply is not None:
+                assert reply.registration is not None
+                _put_recent(self._registrations, endpoint, reply.registration)
         elif isinstance(action, SendRenew):
             reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
             job.on_renewed(action.source, reply, time.monotonic(), err)

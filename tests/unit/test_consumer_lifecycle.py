@@ -249,6 +249,67 @@ def test_incompatible_registration_fails_with_both_values() -> None:
     assert "P has 3 KV planes, D has 2" in reason
 
 
+def test_a_new_p_sends_its_registration_with_the_claim_reply() -> None:
+    """No registration cached: one round trip (the claim) before the reads, instead of two."""
+    job = pull(awaiting_plan())
+    fetch = job.next_action(0)
+    assert isinstance(fetch, FetchRegistration) and fetch.join_claim
+    job.with_claim(SRC)  # the adapter has none cached
+    claim = job.next_action(0)
+    assert isinstance(claim, SendClaim) and claim.message.with_registration
+    assert job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, registration=registration()), now=0)
+    action = job.next_action(0)
+    assert isinstance(action, ReadBatch) and action.segment == "127.0.0.1:15000"
+    # A cached registration (the usual path) asks for none.
+    cached = pull(awaiting_plan())
+    cached.next_action(0)
+    cached.on_registration(SRC, registration())
+    claim = cached.next_action(0)
+    assert isinstance(claim, SendClaim) and not claim.message.with_registration
+
+
+def test_an_older_p_that_ignores_the_request_is_asked_after_the_claim() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.with_claim(SRC)
+    job.next_action(0)
+    assert not job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, lease_token="tok"), now=0)
+    fetch = job.next_action(0)
+    assert isinstance(fetch, FetchRegistration) and not fetch.join_claim  # fetch it now, no second claim
+    assert job.on_registration(SRC, registration())
+    action = job.next_action(0)
+    assert isinstance(action, ReadBatch)
+    job.on_batch_done(action.source, True)
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease) and rel.message.lease_token == "tok" and rel.message.pulled
+
+
+def test_a_registration_in_a_claim_reply_is_checked_and_the_lease_released() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.with_claim(SRC)
+    job.next_action(0)
+    bad = registration(n_planes=3)
+    assert not job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, lease_token="tok",
+                                                  registration=bad), now=0)
+    rel = job.next_action(0)
+    assert isinstance(rel, SendRelease) and rel.message.lease_token == "tok" and not rel.message.pulled
+    job.on_release_sent(rel.source)
+    assert "P has 3 KV planes, D has 2" in job.next_action(0).result.reason
+
+
+def test_a_registration_with_an_unknown_claim_is_kept_for_the_retry() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.with_claim(SRC)
+    job.next_action(0)
+    assert job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN, registration=registration()), now=0)
+    retry = job.next_action(0.5)
+    assert isinstance(retry, SendClaim) and not retry.message.with_registration
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30), now=0.5)
+    assert isinstance(job.next_action(0.5), ReadBatch)
+
+
 def test_nothing_to_pull_only_releases_and_is_never_reported() -> None:
     plan = PullPlan("d1", RemotePrefill.from_params(params()), (), (), awaiting=False)
     job = pull(plan)

@@ -219,3 +219,58 @@ def test_debug_lines_follow_one_request_from_p_to_d(caplog: pytest.LogCaptureFix
         assert all(r.levelno <= logging.DEBUG for r in caplog.records if "req-dbg" in r.getMessage())
     finally:
         pair.close()
+
+
+def _record_messages(p: Pair, strip_registration: bool = False) -> list[str]:
+    """What D sends P's side channel, in order (and, with ``strip_registration``, P answering as a release that
+    does not know ``Claim.with_registration``)."""
+    import msgspec
+
+    from vllm_kvp2p.protocol import ClaimReply
+
+    seen: list[str] = []
+    handler = p.holds._server._handler
+
+    def recording(message):
+        seen.append(type(message).__name__ + ("+registration" if getattr(message, "with_registration", False) else ""))
+        reply = handler(message)
+        if strip_registration and isinstance(reply, ClaimReply):
+            reply = msgspec.structs.replace(reply, registration=None)
+        return reply
+
+    p.holds._server._handler = recording
+    return seen
+
+
+def test_a_pull_from_a_new_p_claims_and_gets_the_registration_in_one_round_trip() -> None:
+    p = Pair()
+    seen = _record_messages(p)
+    try:
+        p.holds.hold("n1", "h1")
+        p.pulls.submit(p.plan("n1", [1, 2], [3, 4]))
+        assert p.wait_result().outcome is Outcome.PULLED
+        assert seen == ["Claim+registration", "Release"]  # before: GetRegistration, Claim, Release
+        seen.clear()
+        p.holds.hold("n2", "h1")
+        p.pulls.submit(p.plan("n2", [5], [6]))
+        assert p.wait_result().outcome is Outcome.PULLED
+        assert seen == ["Claim", "Release"]  # known P: the registration is cached
+        for name in p.d_kv:
+            assert torch.equal(p.d_kv[name][[3, 4, 6]], p.p_kv[name][[1, 2, 5]])
+    finally:
+        p.close()
+
+
+def test_a_p_that_ignores_the_registration_request_is_asked_after_the_claim() -> None:
+    p = Pair()
+    seen = _record_messages(p, strip_registration=True)
+    try:
+        p.holds.hold("o1", "h1")
+        p.pulls.submit(p.plan("o1", [7, 8], [9, 10]))
+        result = p.wait_result()
+        assert result.outcome is Outcome.PULLED, result.reason
+        assert seen == ["Claim+registration", "GetRegistration", "Release"]
+        for name in p.d_kv:
+            assert torch.equal(p.d_kv[name][[9, 10]], p.p_kv[name][[7, 8]])
+    finally:
+        p.close()

@@ -1,7 +1,8 @@
 """D side, worker half: one :class:`~vllm_kvp2p.lifecycle.consumer.PullPlan` carried out on one D rank. Pure:
 no sockets, threads, clocks or torch.
 
-For every P rank the TP mapping names: ``registration -> claim -> read batches (renewing the lease)``; then a
+For every P rank the TP mapping names: ``registration -> claim -> read batches (renewing the lease)``, where a
+registration not cached yet comes with the claim's reply (one round trip for both); then a
 release to every P rank (read or only notified), then :class:`Finish`. The pull thread performs each returned
 action and feeds back the result, as an h11-style state machine. Any failure skips straight to the releases, so
 P is released in every outcome.
@@ -65,7 +66,11 @@ class Source:
 
 @dataclass(frozen=True)
 class FetchRegistration:
+    """Give the job P rank ``source``'s registration: a cached one (:meth:`ConsumerPull.on_registration`), or, with
+    ``join_claim``, none yet (:meth:`ConsumerPull.with_claim`: it comes with the claim's reply); otherwise fetch."""
+
     source: Source
+    join_claim: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,8 @@ class _SourceState:
     lease_token: str = ""  # from P's GRANTED claim reply; renewals and the release carry it
     batches: list[Descriptors] = field(default_factory=list)
     released: bool = False
+    registration_in_claim: bool = False  # none cached: the claim asks for it
+    fetch_registration: bool = False  # P granted without it (an older P): fetch it before reading
 
 
 class ConsumerPull:
@@ -226,11 +233,11 @@ class ConsumerPull:
             return Finish(self._result)
         st = self._sources[self._readable[self._cursor]]
         if self._phase is _Phase.REGISTRATION:
-            return FetchRegistration(st.source)
+            return FetchRegistration(st.source, join_claim=not st.fetch_registration)
         if self._phase is _Phase.CLAIM:
             if now < st.retry_at:
                 return Wait(st.retry_at)
-            return SendClaim(st.source, self._claim(st.source))
+            return SendClaim(st.source, self._claim(st))
         # READ
         if st.lease and now >= st.renew_at:
             r = self.plan.remote
@@ -246,47 +253,65 @@ class ConsumerPull:
         if registration is None:
             self._fail(f"no registration from P rank {source.p_rank}: {error}", Failure.UNREACHABLE)
             return False
-        problem = registration_problem(self.plan, self.local, source, registration)
-        if problem:
-            self._fail(f"P rank {source.p_rank} is incompatible: {problem}", Failure.INCOMPATIBLE)
+        if not self._accept(st, registration):
             return False
-        try:
-            descriptors = self._descriptors_for(source, registration)
-        except ValueError as exc:
-            self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}", Failure.INCOMPATIBLE)
-            return False
-        st.registration = registration
-        st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
-        self._descriptors += len(descriptors)
-        self._phase = _Phase.CLAIM
+        if st.lease:  # claimed already (the claim's reply had no registration): read now
+            self._phase = _Phase.READ
+            if not st.batches:
+                self._next_source()
+        else:
+            self._phase = _Phase.CLAIM
         return True
 
-    def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
-        st = self._current(source, _Phase.CLAIM)
+    def with_claim(self, source: Source) -> None:
+        """No registration of P rank ``source`` is cached: claim at once and ask for it in the same exchange (it is
+        checked as a fetched one is, before any read; refused, the lease just claimed is released)."""
+        st = self._current(source, _Phase.REGISTRATION)
         if st is None:
             return
+        st.registration_in_claim = True
+        self._phase = _Phase.CLAIM
+
+    def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> bool:
+        """True when the reply brought a registration that was accepted (only then may the caller cache it)."""
+        st = self._current(source, _Phase.CLAIM)
+        if st is None:
+            return False
         if reply is None:
-            return self._fail(f"claim on P rank {source.p_rank} failed: {error}", Failure.UNREACHABLE)
+            self._fail(f"claim on P rank {source.p_rank} failed: {error}", Failure.UNREACHABLE)
+            return False
+        accepted = False
+        if st.registration is None and reply.registration is not None:
+            if reply.status is ClaimStatus.GRANTED:  # the release after a refused registration carries it
+                st.lease, st.lease_token = reply.lease, reply.lease_token
+            if not self._accept(st, reply.registration):
+                return False
+            accepted = True
         if reply.status is ClaimStatus.GRANTED:
             st.lease = reply.lease
             st.lease_token = reply.lease_token
             st.renew_at = now + reply.lease / 3
+            if st.registration is None:  # an older P ignored the request for it: fetch it, then read
+                st.fetch_registration = True
+                self._phase = _Phase.REGISTRATION
+                return accepted
             self._phase = _Phase.READ
             if not st.batches:
                 self._next_source()
-            return
+            return accepted
         if reply.status is ClaimStatus.UNKNOWN and now < st.claim_deadline:
             # P learns of a hold at the start of its next engine step, usually within a ms of its answer: retry
             # soon, then back off (1, 2, 4 ... 50 ms) so a P that is slow to step is not flooded.
             backoff = min(UNKNOWN_RETRY_MAX, UNKNOWN_RETRY_FIRST * 2 ** min(st.unknown_claims, 16))
             st.unknown_claims += 1
             st.retry_at = now + min(backoff, max(0.0, st.claim_deadline - now))
-            return
+            return accepted
         if reply.status is ClaimStatus.REFUSED:
             why = reply.reason
         else:
             why = f"P never learned of the hold in {self.claim_wait:g}s"
         self._fail(f"P rank {source.p_rank} refused the claim: {why}", Failure.REFUSED)
+        return accepted
 
     def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
         st = self._current(source, _Phase.READ)
@@ -375,9 +400,27 @@ class ConsumerPull:
                 self._kind = Failure.TIMEOUT
             st.released = True
 
-    def _claim(self, source: Source) -> Claim:
+    def _accept(self, st: _SourceState, registration: RankRegistration) -> bool:
+        """Check a registration (fetched, cached or from a claim's reply) and build the reads from it."""
+        source = st.source
+        problem = registration_problem(self.plan, self.local, source, registration)
+        if problem:
+            self._fail(f"P rank {source.p_rank} is incompatible: {problem}", Failure.INCOMPATIBLE)
+            return False
+        try:
+            descriptors = self._descriptors_for(source, registration)
+        except ValueError as exc:
+            self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}", Failure.INCOMPATIBLE)
+            return False
+        st.registration = registration
+        st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
+        self._descriptors += len(descriptors)
+        return True
+
+    def _claim(self, st: _SourceState) -> Claim:
         r = self.plan.remote
-        return Claim(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers, self.claim_id)
+        return Claim(r.remote_request_id, r.remote_hold_id, self.reader, st.source.expected_readers, self.claim_id,
+                     with_registration=st.registration_in_claim and st.registration is None)
 
     def _pulled(self, source: Source) -> bool:
         """Whether this pull read from ``source`` and still counts that read (so P's confirmation matters)."""

@@ -128,6 +128,7 @@ class SchedulerSide:
         self._reports: dict[str, PullReport] = {}
         # Idle steps sleep until a worker of this engine has news (vllm_kvp2p/step_wakeup.py).
         self._idle = StepWaiter(engine_id, data_parallel_index(parallel))
+        self._news_due = False  # an idle sleep ended on news that has not reached update_connector_output yet
         # Failed pulls by kind, one per request (the workers' reports merged): the scheduler-side stats vLLM
         # merges into the connector's metrics (the workers count pulls, per rank).
         self.stats = Kvp2pStats()
@@ -240,12 +241,20 @@ class SchedulerSide:
             # Only kept alive by holds or pending loads: yield the cores to the threads that move the KV, until
             # the worker has news (step_wakeup). A step with holds or plans to ship never waits: a decoder may be
             # claiming that hold already, and a plan's pull starts only when the worker has it.
-            self._idle.wait(self.config.idle_step_sleep)
+            if self._news_due:
+                # Woken: the workers report the news in the step that follows the wake-up. With vLLM's async
+                # scheduling (a queue of 2 batches) that step's output is processed only after the next schedule,
+                # this one: sleeping here would delay a loaded request by up to idle_step_sleep. Once only.
+                self._news_due = False
+            else:
+                self._news_due = self._idle.wait(self.config.idle_step_sleep)
         return KVP2PMetadata(holds=holds, pulls=pulls)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.finished_recving and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("receives of %s reached the scheduler", sorted(connector_output.finished_recving))
+        if connector_output.finished_recving or connector_output.finished_sending:
+            self._news_due = False  # it arrived: the next idle step may sleep again
+            if connector_output.finished_recving and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("receives of %s reached the scheduler", sorted(connector_output.finished_recving))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVP2PWorkerMetadata):
             # Keep reports only for requests still alive; an aborted one's pull may end after it finished.

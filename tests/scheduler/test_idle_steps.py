@@ -48,3 +48,45 @@ def test_no_wait_when_idle_step_sleep_is_zero(waits) -> None:
     step(p)
     step(p)
     assert waits == []
+
+
+def test_after_a_wake_up_the_next_idle_step_does_not_sleep_until_the_news_arrived(monkeypatch) -> None:
+    """With vLLM's async scheduling the step that woke on news reports it only after the next schedule: that
+    schedule must not sleep again (it cost up to idle_step_sleep per loaded request). Once only: a wake-up without
+    news (lost, forged) costs one step that does not sleep, not a spinning engine."""
+    answers = iter([True, True, False])
+    calls: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        calls.append(seconds)
+        return next(answers)
+
+    monkeypatch.setattr(StepWaiter, "wait", wait)
+    p = make_scheduler(make_vllm_config("kv_producer", engine_id="p-idle4"), num_blocks=100)
+    params, _ = prefill_on_p(p, "p1", tokens(40))
+    d = make_scheduler(make_vllm_config("kv_consumer", engine_id="d-idle4"), num_blocks=100)
+    d.add_request(make_request("d1", tokens(40), max_tokens=3, kv_transfer_params=params))
+    step(d)  # ships the plan
+    step(d)
+    assert len(calls) == 1  # woken (True)
+    step(d)
+    assert len(calls) == 1  # the news has not arrived: no second sleep
+    step(d)
+    assert len(calls) == 2  # once only: sleeps again (woken again, True)
+    step(d, finished_recving=["d1"])  # no sleep (woken just before); the news arrives in this step's output
+    st = step(d)
+    assert st.so.total_num_scheduled_tokens > 0 and len(calls) == 2
+
+
+def test_news_that_arrived_with_the_wake_up_step_lets_the_next_idle_step_sleep(monkeypatch) -> None:
+    """Without a batch queue the news comes in the output of the step that woke: the next idle step sleeps as
+    usual (no step is taken for nothing)."""
+    calls: list[float] = []
+    monkeypatch.setattr(StepWaiter, "wait", lambda self, seconds: calls.append(seconds) or True)
+    p = make_scheduler(make_vllm_config("kv_producer", engine_id="p-idle5"), num_blocks=100)
+    prefill_on_p(p, "p1", tokens(40))
+    step(p)  # ships the hold
+    step(p, finished_sending=["p1"])  # woken, and the release arrives in the same step's output
+    assert len(calls) == 1
+    step(p)
+    assert len(calls) == 2

@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> dict:
     singles: list[Streamed] = []
     pds: list[Streamed] = []
     print(f"[timeline] logs in {log_dir}", file=sys.stderr)
-    with PDCluster(model, log_dir, prefill_env=env, decode_env=env) as cluster, \
+    with PDCluster(model, log_dir, prefill_env=env, decode_env=env,
+                   engine_args=tuple(args.engine_arg)) as cluster, \
             httpx.Client(timeout=120, trust_env=False) as client:
         body = {"model": cluster.prefill.model_name, "max_tokens": args.max_tokens, "temperature": 0,
                 "ignore_eos": True}
@@ -200,7 +201,8 @@ def run(args: argparse.Namespace) -> dict:
     pd_ttft = statistics.median(r.ttft_ms for r in pds)
     result = {
         "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "env": dict(args.env), "single_ttft_ms": single_ttft, "single_itl_ms": single_itl, "pd_ttft_ms": pd_ttft,
+        "env": dict(args.env), "engine_args": list(args.engine_arg), "single_ttft_ms": single_ttft,
+        "single_itl_ms": single_itl, "pd_ttft_ms": pd_ttft,
         "pd_ttft_p90_ms": sorted(r.ttft_ms for r in pds)[int(0.9 * (len(pds) - 1))], "pd_itl_ms": pd_itl,
         "pull_ms": pull_ms, "second_hop_ms": hop_ms, "floor_ms": floor, "above_floor_ms": pd_ttft - floor,
         "median_stage_ms": med, "rows": rows,
@@ -232,6 +234,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="extra environment for both engines, e.g. --env VLLM_KVP2P_IDLE_STEP_SLEEP 0")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
+                        help="one more `vllm serve` flag for P and D, e.g. --engine-arg=--async-scheduling")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "kvp2p-bench-tiny-llama"))
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures (and every request's row) here")

@@ -26,9 +26,17 @@ SCENARIO = textwrap.dedent('''
             calls += 1
         return (time.thread_time() - c0) * 1e3, calls
 
-    if sys.argv[1] == "bound":
+    if sys.argv[1] in ("bound", "bound-sleep"):
         assert worker_polling.limit_busy_poll(0.002)
         assert worker_polling.limit_busy_poll(0.5)  # idempotent; the smallest window wins
+    if sys.argv[1].endswith("sleep"):
+        # A notification that never comes: how long one wait sleeps with vLLM's 5 s re-check timeout.
+        reader.record_read()
+        time.sleep(1.1)  # past both windows (2 ms bounded, vLLM's 1 s)
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=5000)
+        print("SLEPT_MS %.1f" % ((time.monotonic() - t0) * 1e3))
+        sys.exit(0)
     cpu_ms, calls = idle_wait_cpu_ms()
     print("CPU_MS %.1f CALLS %d" % (cpu_ms, calls))
 ''')
@@ -52,3 +60,16 @@ def test_without_the_bound_the_reader_spins_the_whole_time() -> None:
     cpu_ms, calls = _run("unbound")
     # vLLM's 1 s window: 300 ms of sched_yield loop, a core's worth of CPU.
     assert cpu_ms > 150 and calls > 1000, (cpu_ms, calls)
+
+
+def _slept_ms(mode: str) -> float:
+    proc = subprocess.run([sys.executable, "-c", SCENARIO, mode], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("SLEPT_MS")).split()[1])
+
+
+def test_a_missed_notification_costs_a_bounded_sleep_not_vllms_5_s_recheck() -> None:
+    """A reader sent to sleep re-checks its buffer within SLEEP_RECHECK_MS (50 ms): a notification it misses
+    delays the engine by that much, where vLLM's own re-check interval is 5 s."""
+    assert _slept_ms("bound-sleep") < 1000
+    assert _slept_ms("unbound-sleep") > 4000  # vLLM alone: the full 5 s

@@ -9,8 +9,9 @@ for as long as any transfer is pending. On a host with few cores that starves th
 took up to 64 s and most pulls failed; with the window at 2 ms every pull took ~10 ms.
 
 :func:`limit_busy_poll` bounds the spin of every reader in this process (existing ones included: the check is
-made on each wait) to a window counted from when the reader starts waiting. Guarded by what it patches: if vLLM's
-class or method is not there in the expected form, one warning and nothing changed.
+made on each wait) to a window counted from when the reader starts waiting, and bounds each sleep after it to
+``SLEEP_RECHECK_MS``. Guarded by what it patches: if vLLM's class or method is not there in the expected form, one
+warning and nothing changed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from vllm_kvp2p.log import get_logger
 logger = get_logger(__name__)
 
 _MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+# A reader this module sends to sleep wakes on vLLM's notify socket, or re-checks its buffer after the timeout it
+# is given: vLLM's is 5 s (SHM_READER_RECHECK_INTERVAL_MS), so a notification it misses would stall the engine for
+# 5 s (measured in serving runs here: every in-flight request 5.4-5.8 s late at once). Readers sleep far more
+# often with the window bounded, so their sleep is also bounded: an idle reader wakes 20 times a second.
+SLEEP_RECHECK_MS = 50
 _lock = threading.Lock()
 _applied: float | None = None
 
@@ -47,7 +53,7 @@ def limit_busy_poll(window_s: float) -> bool:
             return False
         cls = getattr(module, "SpinCondition", None)
         wait = getattr(cls, "wait", None)
-        if wait is None or tuple(inspect.signature(wait).parameters)[:1] != ("self",):
+        if wait is None or tuple(inspect.signature(wait).parameters)[:2] != ("self", "timeout_ms"):
             logger.warning("cannot bound vLLM's busy polling: %s.SpinCondition.wait not found in the expected form",
                            _MODULE)
             return False
@@ -64,17 +70,18 @@ def _bounded(wait: Any) -> Any:
     cost a single instance 26% of its decode rate when the window was counted from the last read)."""
 
     @functools.wraps(wait)
-    def bounded_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def bounded_wait(self: Any, timeout_ms: int | None = None) -> Any:
         window = _applied
         if window is None or not hasattr(self, "last_read"):
-            return wait(self, *args, **kwargs)
+            return wait(self, timeout_ms)
         now = time.monotonic()
         state = self.__dict__.setdefault("_kvp2p_wait", [None, now, getattr(self, "busy_loop_s", 0)])
         if state[0] != self.last_read:  # first wait since a message arrived
             state[0], state[1] = self.last_read, now
-        # Spin (vLLM's own window) until `window` has passed since the wait began, then sleep on the socket.
+        # Spin (vLLM's own window) until `window` has passed since the wait began, then sleep on the socket, for
+        # at most SLEEP_RECHECK_MS at a time (the caller re-checks its buffer and waits again).
         self.busy_loop_s = state[2] if now - state[1] <= window else 0
-        return wait(self, *args, **kwargs)
+        return wait(self, SLEEP_RECHECK_MS if timeout_ms is None else min(timeout_ms, SLEEP_RECHECK_MS))
 
     return bounded_wait
 

@@ -4,11 +4,13 @@ For each plan it drives a :class:`~vllm_kvp2p.lifecycle.consumer.ConsumerPull` (
 performing its actions: side-channel requests, Mooncake reads, waits.
 
 Threads ("lanes"): ``max_threads`` of them, started with the loop (so they get the platform's service-thread
-placement; idle ones block on their queue). Each P instance (side-channel host and base port) is assigned to
-exactly one lane on first use, the lane serving the fewest instances. So a frozen or slow P
-delays only the P instances on its lane (with one thread it delayed every pull of this worker for up to the
-transfer timeout), and pulls from one P never overlap, which keeps at most ``max_batch_entries`` Mooncake entries
-in flight per peer. With one P instance only one lane works (a Mooncake wait spins a core).
+placement; idle ones block on their queue). Each P instance (side-channel host and base port) is assigned up to
+``LANES_PER_PEER`` lanes on first use (half the lanes at most), those serving the fewest instances, and each plan
+goes to the least busy of its instance's lanes. So a frozen or slow P delays only the P instances on its lanes
+(with one thread it delayed every pull of this worker for up to the transfer timeout), and two pulls from one P
+overlap their side-channel round trips (a busy P answers claims late: serving runs here showed pulls queued for
+0.3-0.5 s behind one slow claim) but never their reads: one read slot per P instance keeps at most
+``max_batch_entries`` Mooncake entries in flight per peer.
 
 Every table here is bounded (the params a client sends name the P instances, so their number is not ours to
 trust): lane assignments, suspects and cached registrations keep the most recent ``MAX_PEERS`` entries;
@@ -76,6 +78,10 @@ FAILURE_HINTS: dict[Failure, str] = {
 }
 #: P instances (lane assignments, suspects) and P ranks (cached registrations) remembered, most recent kept.
 MAX_PEERS = 1024
+#: Lanes one P instance's pulls may use at once (their round trips overlap; their reads take turns).
+LANES_PER_PEER = 2
+#: How long a pull waits for its P's read slot before it looks at its lease again (renewal) and waits more.
+READ_SLOT_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,22 @@ class _Lane:
     def __init__(self, loop: PullLoop, name: str) -> None:
         self.plans: queue.Queue[PullPlan | None] = queue.Queue()
         self.instances = 0  # P instances assigned to this lane
-        self.thread = threading.Thread(target=loop._run, args=(self.plans,), name=name, daemon=True)
+        self.busy = 0  # plans queued or in progress (PullLoop._lanes_lock)
+        self.thread = threading.Thread(target=loop._run, args=(self, self.plans), name=name, daemon=True)
         self.thread.start()
 
 
+@dataclass
+class _Peer:
+    """One P instance's lanes and its read slot (one Mooncake read from it at a time)."""
+
+    lanes: list[_Lane]
+    read_slot: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
 class PullLoop:
-    """Runs pull plans on daemon threads, one lane per P instance (see the module docstring); results are
-    collected with :meth:`take_results`."""
+    """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance (see the module
+    docstring); results are collected with :meth:`take_results`."""
 
     def __init__(
         self,
@@ -144,8 +159,8 @@ class PullLoop:
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
         self.max_threads = max(1, max_threads)
-        # P instance (host, base port) -> its lane, while among the MAX_PEERS most recent: a fleet has fewer
-        self._lane_of: OrderedDict[tuple[str, int], _Lane] = OrderedDict()
+        # P instance (host, base port) -> its lanes and read slot, while among the MAX_PEERS most recent.
+        self._peer_of: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._clients: list[SideChannelClient] = []  # one per lane thread, for table_sizes
         self._claim_seconds: dict[str, float] = {}  # request id -> its claim's round trip, until published
         self._lanes_lock = threading.Lock()
@@ -154,32 +169,43 @@ class PullLoop:
         self._lanes = [_Lane(self, f"kvp2p-pull:{tp_rank}.{i}") for i in range(self.max_threads)]
 
     def submit(self, plan: PullPlan) -> None:
-        self._lane_for((plan.remote.remote_host, plan.remote.remote_port)).plans.put(plan)
-
-    def _lane_for(self, instance: tuple[str, int]) -> _Lane:
+        instance = (plan.remote.remote_host, plan.remote.remote_port)
         with self._lanes_lock:
             if self._closed:
                 raise RuntimeError("PullLoop is closed")
-            lane = self._lane_of.get(instance)
-            if lane is not None:
-                self._lane_of.move_to_end(instance)
-                return lane
-            if len(self._lane_of) >= MAX_PEERS:
-                # The least recently used goes; should it come back it may get another lane, which only lets its
-                # pulls overlap with ones still queued on the old lane (correct, just not serialised).
-                _, evicted = self._lane_of.popitem(last=False)
-                evicted.instances -= 1
-            lane = min(self._lanes, key=lambda ln: (ln.instances, ln.plans.qsize()))
+            lane = min(self._peer(instance).lanes, key=lambda ln: ln.busy)
+            lane.busy += 1
+        lane.plans.put(plan)
+
+    def _peer(self, instance: tuple[str, int]) -> _Peer:
+        """The instance's lanes, assigned on first use (call with ``_lanes_lock`` held)."""
+        peer = self._peer_of.get(instance)
+        if peer is not None:
+            self._peer_of.move_to_end(instance)
+            return peer
+        if len(self._peer_of) >= MAX_PEERS:
+            # The least recently used goes; should it come back it may get other lanes and a new read slot, which
+            # only lets its reads overlap with ones still queued on the old lanes (correct, just not serialised).
+            _, evicted = self._peer_of.popitem(last=False)
+            for lane in evicted.lanes:
+                lane.instances -= 1
+        count = min(LANES_PER_PEER, max(1, len(self._lanes) // 2))
+        lanes = sorted(self._lanes, key=lambda ln: (ln.instances, ln.busy))[:count]
+        for lane in lanes:
             lane.instances += 1
-            self._lane_of[instance] = lane
-            return lane
+        peer = self._peer_of[instance] = _Peer(lanes)
+        return peer
+
+    def _read_slot(self, instance: tuple[str, int]) -> threading.Lock:
+        with self._lanes_lock:
+            return self._peer(instance).read_slot
 
     def table_sizes(self) -> dict[str, int]:
         """Entries in each table: when idle, ``queued_plans``, ``results`` and ``suspects`` (those not yet
         expired) are 0 and the others at most one per P instance (or rank) pulled from lately. Approximate while
         pulls run (read without the threads' own locking)."""
         with self._lanes_lock:
-            instances, queued = len(self._lane_of), sum(lane.plans.qsize() for lane in self._lanes)
+            instances, queued = len(self._peer_of), sum(lane.plans.qsize() for lane in self._lanes)
             clients = list(self._clients)
         return {
             "queued_plans": queued,
@@ -217,7 +243,7 @@ class PullLoop:
 
     # ------------------------------------------------------------------ the threads
 
-    def _run(self, plans: queue.Queue[PullPlan | None]) -> None:
+    def _run(self, lane: _Lane, plans: queue.Queue[PullPlan | None]) -> None:
         # One per thread: REQ sockets are not shareable.
         client = SideChannelClient(self.side_channel_timeout, auth=self.auth)
         with self._lanes_lock:
@@ -245,6 +271,9 @@ class PullLoop:
                     logger.exception("pull of %s crashed", plan.request_id)
                     publish(_crash_result(plan, exc))
                     self._release_after_crash(plan, client)
+                finally:
+                    with self._lanes_lock:
+                        lane.busy -= 1
         finally:
             with self._lanes_lock:
                 self._clients.remove(client)
@@ -332,6 +361,9 @@ class PullLoop:
             reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
             job.on_renewed(action.source, reply, time.monotonic(), err)
         elif isinstance(action, ReadBatch):
+            slot = self._read_slot((host, base_port))
+            if not slot.acquire(timeout=min(READ_SLOT_WAIT_S, job.time_left(time.monotonic()))):
+                return  # another pull from this P is reading: look at the lease and the deadline, then again
             try:
                 started = time.monotonic()
                 try:
@@ -348,6 +380,8 @@ class PullLoop:
                 job.on_batch_done(action.source, True)
             except TransferEngineError as exc:
                 job.on_batch_done(action.source, False, str(exc))
+            finally:
+                slot.release()
         elif isinstance(action, SendRelease):
             budget = job.time_left(time.monotonic())
             if job.failed and job.result().failure is Failure.UNREACHABLE:

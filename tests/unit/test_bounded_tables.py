@@ -20,17 +20,22 @@ def _loop() -> PullLoop:
                     side_channel_timeout=1.0, claim_wait=1.0, max_batch_entries=4, max_threads=2)
 
 
+def _assign(loop: PullLoop, instance: tuple[str, int]) -> object:
+    with loop._lanes_lock:
+        return loop._peer(instance)
+
+
 def test_lane_assignments_keep_the_most_recent_instances(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pull_loop, "MAX_PEERS", 8)
     loop = _loop()
     try:
-        kept = loop._lane_for(("10.0.0.1", 20000))
+        kept = _assign(loop, ("10.0.0.1", 20000))
         for port in range(30000, 30100):  # 100 made-up P instances
-            loop._lane_for(("10.9.9.9", port))
-            loop._lane_for(("10.0.0.1", 20000))  # the real P, used all along, stays
+            _assign(loop, ("10.9.9.9", port))
+            _assign(loop, ("10.0.0.1", 20000))  # the real P, used all along, stays
         sizes = loop.table_sizes()
         assert sizes["instances"] == 8, sizes
-        assert loop._lane_for(("10.0.0.1", 20000)) is kept
+        assert _assign(loop, ("10.0.0.1", 20000)) is kept
         assert sum(lane.instances for lane in loop._lanes) == 8  # evicted ones no longer count on their lane
     finally:
         assert loop.close(read_timeout=1.0)
@@ -41,7 +46,7 @@ def test_without_the_bound_the_table_grows_with_every_instance_named(monkeypatch
     loop = _loop()
     try:
         for port in range(30000, 30100):
-            loop._lane_for(("10.9.9.9", port))
+            _assign(loop, ("10.9.9.9", port))
         assert loop.table_sizes()["instances"] == 100
     finally:
         assert loop.close(read_timeout=1.0)

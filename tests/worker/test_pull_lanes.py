@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+import torch
 import zmq
 
 from tests.support.ports import free_port
@@ -65,5 +66,83 @@ def test_frozen_p_delays_only_its_own_lane(frozen_p: int, threads: int) -> None:
         else:
             # One thread (the old design): the healthy pull waited behind the frozen one.
             assert t_ok > t_frozen >= FROZEN_TIMEOUT * 0.9, (t_ok, t_frozen)
+    finally:
+        pair.close()
+
+
+def _overlaps(spans: list[tuple[float, float]]) -> int:
+    """The most spans open at one instant."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("lanes_per_peer", [2, 1])
+def test_pulls_from_one_p_overlap_their_round_trips_but_not_their_reads(
+    monkeypatch: pytest.MonkeyPatch, lanes_per_peer: int
+) -> None:
+    """A busy P answers late: two pulls from it wait for their claims at the same time (two lanes), while their
+    Mooncake reads still take turns (one read slot per P: at most max_batch_entries in flight per peer)."""
+    import threading
+
+    from vllm_kvp2p import pull_loop
+    from vllm_kvp2p.protocol import Claim
+    from vllm_kvp2p.side_channel import SideChannelClient
+
+    monkeypatch.setattr(pull_loop, "LANES_PER_PEER", lanes_per_peer)
+    claims: list[tuple[float, float]] = []
+    reads: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    request = SideChannelClient.request
+
+    def timed_request(self, host, port, message, timeout=None):
+        t0 = time.monotonic()
+        try:
+            return request(self, host, port, message, timeout)
+        finally:
+            if isinstance(message, Claim):
+                with lock:
+                    claims.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(SideChannelClient, "request", timed_request)
+    pair = Pair()
+    handler = pair.holds._server._handler
+
+    def slow_p(message):  # P's side-channel thread gets the core late, then answers at once
+        if isinstance(message, Claim):
+            time.sleep(0.15)
+        return handler(message)
+
+    pair.holds._server._handler = slow_p
+    read = pair.d_engine.read
+
+    def timed_read(segment, descriptors):
+        t0 = time.monotonic()
+        try:
+            return read(segment, descriptors)
+        finally:
+            with lock:
+                reads.append((t0, time.monotonic()))
+
+    pair.d_engine.read = timed_read
+    try:
+        for i in range(4):
+            pair.holds.hold(f"ov{i}", "h1")
+        for i in range(4):
+            pair.pulls.submit(pair.plan(f"ov{i}", [1 + 2 * i, 2 + 2 * i], [3 + 2 * i, 4 + 2 * i]))
+        results = []
+        deadline = time.monotonic() + 30
+        while len(results) < 4 and time.monotonic() < deadline:
+            results += [r.result for r in pair.pulls.take_results()]
+            time.sleep(0.01)
+        assert [r.outcome for r in results] == [Outcome.PULLED] * 4, [r.reason for r in results]
+        for i in range(4):
+            for name in pair.d_kv:
+                assert torch.equal(pair.d_kv[name][[3 + 2 * i, 4 + 2 * i]], pair.p_kv[name][[1 + 2 * i, 2 + 2 * i]])
+        assert len(reads) >= 4 and _overlaps(reads) == 1  # reads from one P never overlap
+        assert _overlaps(claims) == lanes_per_peer  # one lane: claims one after another
     finally:
         pair.close()

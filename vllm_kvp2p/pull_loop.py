@@ -318,7 +318,10 @@ class PullLoop:
                 self._note_outcome(instance, action.result)
                 return action.result
             if job.failed:
-                publish(job.result())
+                failure = job.result()
+                # Before the result is out: a plan for the same P on its other lane must already see it suspect.
+                self._note_outcome(instance, failure)
+                publish(failure)
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
                 logger.warning("pull of %s: %s with P rank %d took %.1f s (P busy or the network slow; bounded by "

@@ -110,8 +110,9 @@ class KVP2PConfig:
     )
     pull_threads: int = setting(
         4,
-        "pull threads per D worker, 1..64; each P instance is served by one of them (more instances share), so a "
-        "frozen P delays only the instances sharing its thread",
+        "pull threads per D worker, 1..64; each P instance is served by 2 of them (1 below 4 threads; more "
+        "instances share), so its pulls overlap their round trips while its reads take turns, and a frozen P "
+        "delays only the instances sharing its threads",
     )
     kv_arena: bool = setting(
         True,

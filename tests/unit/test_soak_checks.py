@@ -37,7 +37,11 @@ def test_a_held_block_or_a_queued_plan_is_a_leak() -> None:
 
 
 def test_more_entries_than_peers_is_a_leak() -> None:
-    assert table_leaks("decode", [{**IDLE_D, "sockets": 3}], peers=2) == ["decode: sockets = 3 > 2 peers"]
+    assert table_leaks("decode", [{**IDLE_D, "sockets": 4}], peers=2) == []  # two pull threads per P
+    assert table_leaks("decode", [{**IDLE_D, "sockets": 5}], peers=2) == [
+        "decode: sockets = 5 > 4 (2 per peer, 2 peers)"]
+    assert table_leaks("decode", [{**IDLE_D, "registrations": 3}], peers=2) == [
+        "decode: registrations = 3 > 2 (1 per peer, 2 peers)"]
 
 
 def test_an_engine_that_logged_no_tables_is_reported(tmp_path: Path) -> None:

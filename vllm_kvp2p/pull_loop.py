@@ -3,14 +3,7 @@
 For each plan it drives a :class:`~vllm_kvp2p.lifecycle.consumer.ConsumerPull` (which decides everything) by
 performing its actions: side-channel requests, Mooncake reads, waits.
 
-Threads ("lanes"): ``max_threads`` of them, started with the loop (so they get the platform's service-thread
-placement; idle ones block on their queue). Each P instance (side-channel host and base port) is assigned up to
-``LANES_PER_PEER`` lanes on first use (half the lanes at most), those serving the fewest instances, and each plan
-goes to the least busy of its instance's lanes. So a frozen or slow P delays only the P instances on its lanes
-(with one thread it delayed every pull of this worker for up to the transfer timeout), and two pulls from one P
-overlap their side-channel round trips (a busy P answers claims late: serving runs here showed pulls queued for
-0.3-0.5 s behind one slow claim) but never their reads: one read slot per P instance keeps at most
-``max_batch_entries`` Mooncake entries in flight per peer.
+Threads ("lanes"): how plans are spread over them, per P instance, is :mod:`vllm_kvp2p.pull_lanes`.
 
 Every table here is bounded (the params a client sends name the P instances, so their number is not ours to
 trust): lane assignments, suspects and cached registrations keep the most recent ``MAX_PEERS`` entries;
@@ -21,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -56,6 +48,7 @@ from vllm_kvp2p.protocol import (
     Released,
     Request,
 )
+from vllm_kvp2p.pull_lanes import MAX_PEERS, Lane, LaneTable
 from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
@@ -76,10 +69,6 @@ FAILURE_HINTS: dict[Failure, str] = {
     Failure.READ_FAILED: "a Mooncake read failed: transfer_timeout, protocol, device_name",
     Failure.LEASE_LOST: "the read outlived the lease: lease_timeout on P vs transfer_timeout on D",
 }
-#: P instances (lane assignments, suspects) and P ranks (cached registrations) remembered, most recent kept.
-MAX_PEERS = 1024
-#: Lanes one P instance's pulls may use at once (their round trips overlap; their reads take turns).
-LANES_PER_PEER = 2
 #: How long a pull waits for its P's read slot before it looks at its lease again (renewal) and waits more.
 READ_SLOT_WAIT_S = 0.5
 
@@ -91,28 +80,9 @@ class TimedResult:
     claim_seconds: float | None = None  # the round trip of the pull's first claim (whatever P answered)
 
 
-class _Lane:
-    """One pull thread and its queue; serves the P instances assigned to it, one plan at a time."""
-
-    def __init__(self, loop: PullLoop, name: str) -> None:
-        self.plans: queue.Queue[PullPlan | None] = queue.Queue()
-        self.instances = 0  # P instances assigned to this lane
-        self.busy = 0  # plans queued or in progress (PullLoop._lanes_lock)
-        self.thread = threading.Thread(target=loop._run, args=(self, self.plans), name=name, daemon=True)
-        self.thread.start()
-
-
-@dataclass
-class _Peer:
-    """One P instance's lanes and its read slot (one Mooncake read from it at a time)."""
-
-    lanes: list[_Lane]
-    read_slot: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
 class PullLoop:
-    """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance (see the module
-    docstring); results are collected with :meth:`take_results`."""
+    """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance (vllm_kvp2p/pull_lanes.py);
+    results are collected with :meth:`take_results`."""
 
     def __init__(
         self,
@@ -159,53 +129,21 @@ class PullLoop:
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
         self.max_threads = max(1, max_threads)
-        # P instance (host, base port) -> its lanes and read slot, while among the MAX_PEERS most recent.
-        self._peer_of: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._clients: list[SideChannelClient] = []  # one per lane thread, for table_sizes
+        self._clients_lock = threading.Lock()
         self._claim_seconds: dict[str, float] = {}  # request id -> its claim's round trip, until published
-        self._lanes_lock = threading.Lock()
-        self._closed = False
         self._stopping = threading.Event()  # close(): pulls stop reading and only release
-        self._lanes = [_Lane(self, f"kvp2p-pull:{tp_rank}.{i}") for i in range(self.max_threads)]
+        self.lanes = LaneTable(self.max_threads, self._run, f"kvp2p-pull:{tp_rank}")
 
     def submit(self, plan: PullPlan) -> None:
-        instance = (plan.remote.remote_host, plan.remote.remote_port)
-        with self._lanes_lock:
-            if self._closed:
-                raise RuntimeError("PullLoop is closed")
-            lane = min(self._peer(instance).lanes, key=lambda ln: ln.busy)
-            lane.busy += 1
-        lane.plans.put(plan)
-
-    def _peer(self, instance: tuple[str, int]) -> _Peer:
-        """The instance's lanes, assigned on first use (call with ``_lanes_lock`` held)."""
-        peer = self._peer_of.get(instance)
-        if peer is not None:
-            self._peer_of.move_to_end(instance)
-            return peer
-        if len(self._peer_of) >= MAX_PEERS:
-            # The least recently used goes; should it come back it may get other lanes and a new read slot, which
-            # only lets its reads overlap with ones still queued on the old lanes (correct, just not serialised).
-            _, evicted = self._peer_of.popitem(last=False)
-            for lane in evicted.lanes:
-                lane.instances -= 1
-        count = min(LANES_PER_PEER, max(1, len(self._lanes) // 2))
-        lanes = sorted(self._lanes, key=lambda ln: (ln.instances, ln.busy))[:count]
-        for lane in lanes:
-            lane.instances += 1
-        peer = self._peer_of[instance] = _Peer(lanes)
-        return peer
-
-    def _read_slot(self, instance: tuple[str, int]) -> threading.Lock:
-        with self._lanes_lock:
-            return self._peer(instance).read_slot
+        self.lanes.take((plan.remote.remote_host, plan.remote.remote_port)).plans.put(plan)
 
     def table_sizes(self) -> dict[str, int]:
         """Entries in each table: when idle, ``queued_plans``, ``results`` and ``suspects`` (those not yet
         expired) are 0 and the others at most one per P instance (or rank) pulled from lately. Approximate while
         pulls run (read without the threads' own locking)."""
-        with self._lanes_lock:
-            instances, queued = len(self._peer_of), sum(lane.plans.qsize() for lane in self._lanes)
+        instances, queued = self.lanes.sizes()
+        with self._clients_lock:
             clients = list(self._clients)
         return {
             "queued_plans": queued,
@@ -226,9 +164,7 @@ class PullLoop:
         the threads end. Bounded: a Mooncake read in progress cannot be cancelled, so this waits for one read
         (``read_timeout``, the transfer timeout) and the releases. False if a thread is still running then (its
         memory must stay registered)."""
-        with self._lanes_lock:
-            self._closed = True
-            lanes = list(self._lanes)
+        lanes = self.lanes.close()
         self._stopping.set()
         for lane in lanes:
             lane.plans.put(None)
@@ -243,14 +179,14 @@ class PullLoop:
 
     # ------------------------------------------------------------------ the threads
 
-    def _run(self, lane: _Lane, plans: queue.Queue[PullPlan | None]) -> None:
+    def _run(self, lane: Lane) -> None:
         # One per thread: REQ sockets are not shareable.
         client = SideChannelClient(self.side_channel_timeout, auth=self.auth)
-        with self._lanes_lock:
+        with self._clients_lock:
             self._clients.append(client)
         try:
             while True:
-                plan = plans.get()
+                plan = lane.plans.get()
                 if plan is None:
                     return
                 t0 = time.perf_counter()
@@ -272,10 +208,9 @@ class PullLoop:
                     publish(_crash_result(plan, exc))
                     self._release_after_crash(plan, client)
                 finally:
-                    with self._lanes_lock:
-                        lane.busy -= 1
+                    self.lanes.done(lane)
         finally:
-            with self._lanes_lock:
+            with self._clients_lock:
                 self._clients.remove(client)
             client.close()
 
@@ -364,7 +299,7 @@ class PullLoop:
             reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
             job.on_renewed(action.source, reply, time.monotonic(), err)
         elif isinstance(action, ReadBatch):
-            slot = self._read_slot((host, base_port))
+            slot = self.lanes.read_slot((host, base_port))
             if not slot.acquire(timeout=min(READ_SLOT_WAIT_S, job.time_left(time.monotonic()))):
                 return  # another pull from this P is reading: look at the lease and the deadline, then again
             try:

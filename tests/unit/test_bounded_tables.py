@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 
 from tests.support.ports import free_port
-from vllm_kvp2p import pull_loop, side_channel
+from vllm_kvp2p import pull_lanes, pull_loop, side_channel
 from vllm_kvp2p.protocol import ErrorReply, GetRegistration
 from vllm_kvp2p.pull_loop import PullLoop, _put_recent
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelServer
@@ -21,12 +21,11 @@ def _loop() -> PullLoop:
 
 
 def _assign(loop: PullLoop, instance: tuple[str, int]) -> object:
-    with loop._lanes_lock:
-        return loop._peer(instance)
+    return loop.lanes.peer(instance)
 
 
 def test_lane_assignments_keep_the_most_recent_instances(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pull_loop, "MAX_PEERS", 8)
+    monkeypatch.setattr(pull_lanes, "MAX_PEERS", 8)
     loop = _loop()
     try:
         kept = _assign(loop, ("10.0.0.1", 20000))
@@ -36,13 +35,13 @@ def test_lane_assignments_keep_the_most_recent_instances(monkeypatch: pytest.Mon
         sizes = loop.table_sizes()
         assert sizes["instances"] == 8, sizes
         assert _assign(loop, ("10.0.0.1", 20000)) is kept
-        assert sum(lane.instances for lane in loop._lanes) == 8  # evicted ones no longer count on their lane
+        assert sum(lane.instances for lane in loop.lanes.lanes) == 8  # evicted ones no longer count on their lane
     finally:
         assert loop.close(read_timeout=1.0)
 
 
 def test_without_the_bound_the_table_grows_with_every_instance_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pull_loop, "MAX_PEERS", 10**9)
+    monkeypatch.setattr(pull_lanes, "MAX_PEERS", 10**9)
     loop = _loop()
     try:
         for port in range(30000, 30100):

@@ -88,11 +88,11 @@ def test_pulls_from_one_p_overlap_their_round_trips_but_not_their_reads(
     Mooncake reads still take turns (one read slot per P: at most max_batch_entries in flight per peer)."""
     import threading
 
-    from vllm_kvp2p import pull_loop
+    from vllm_kvp2p import pull_lanes
     from vllm_kvp2p.protocol import Claim
     from vllm_kvp2p.side_channel import SideChannelClient
 
-    monkeypatch.setattr(pull_loop, "LANES_PER_PEER", lanes_per_peer)
+    monkeypatch.setattr(pull_lanes, "LANES_PER_PEER", lanes_per_peer)
     claims: list[tuple[float, float]] = []
     reads: list[tuple[float, float]] = []
     lock = threading.Lock()

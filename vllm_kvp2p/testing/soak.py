@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from vllm_kvp2p.pull_loop import LANES_PER_PEER
+from vllm_kvp2p.pull_lanes import LANES_PER_PEER
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
 

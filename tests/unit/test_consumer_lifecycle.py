@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -347,3 +347,51 @@ def test_incompatible_geometry_is_refused_at_handshake_with_both_values(change: 
     result = job.next_action(0).result
     assert result.outcome is Outcome.FAILED and result.report_failed
     assert message in result.reason
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_blocks": -5}, "beyond the -5 blocks"),
+    ({"num_blocks": 0}, "beyond the 0 blocks"),
+    ({"tp_rank": -1}, "it is rank -1 of 1"),
+    ({"tp_size": 10**9}, "rank 0 of 1000000000"),
+    ({"engine_id": "x" * 100_000}, "answers for engine xxx"),
+    ({"segment": "10.6.6.6:15000"}, "is not on the params' host"),
+    ({"protocol_version": -1}, "protocol version: P speaks -1"),
+    ({"planes": [PlaneGeometry(1 << 62, 512, 512, 100)] * 2}, ""),  # absurd addresses: the read would go there
+])
+def test_a_forged_registration_in_a_claim_reply_is_refused_and_the_lease_released(change: dict,
+                                                                                  message: str) -> None:
+    """A peer answering a claim may send any registration: absurd counts, ranks, engine ids, another host's
+    segment. Each is refused before any read (or, for addresses P alone can vouch for, read only from the
+    params' host, as for a fetched one); the lease just granted is released with its token; nothing is cached."""
+    import msgspec
+
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.with_claim(SRC)
+    job.next_action(0)
+    forged = msgspec.structs.replace(registration(), **change)
+    accepted = job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, lease_token="tok",
+                                                  registration=forged), now=0)
+    action = job.next_action(0)
+    if not message:  # addresses are P's to state: D reads them from the params' host only, as with a fetch
+        assert accepted and isinstance(action, ReadBatch) and action.segment == "127.0.0.1:15000"
+        return
+    assert not accepted  # the caller caches only an accepted registration
+    assert isinstance(action, SendRelease) and action.message.lease_token == "tok" and not action.message.pulled
+    job.on_release_sent(action.source)
+    result = job.next_action(0).result
+    assert result.outcome is Outcome.FAILED and result.failure is Failure.INCOMPATIBLE
+    assert message in result.reason and len(result.reason) <= 1010  # a 100,000-character id is not echoed whole
+
+
+@pytest.mark.parametrize("registration_value", ["not a registration", 7, [1, 2], {"engine_id": 5}])
+def test_a_claim_reply_whose_registration_has_the_wrong_type_does_not_decode(registration_value: object) -> None:
+    import msgspec
+
+    from vllm_kvp2p.protocol import decode_reply
+
+    raw = msgspec.msgpack.encode({"type": "claim_reply", "status": "granted", "lease": 30.0,
+                                  "registration": registration_value})
+    with pytest.raises(msgspec.ValidationError):  # the side channel reports it as a bad reply: the claim fails
+        decode_reply(raw)

@@ -48,6 +48,8 @@ __all__ = [
 # Retry of a claim P has not heard of yet ("unknown"): first after 1 ms, doubling up to 50 ms.
 UNKNOWN_RETRY_FIRST = 0.001
 UNKNOWN_RETRY_MAX = 0.05
+# Characters of a failure reason kept (it ends up in a WARNING and in the request's kv_transfer_params).
+MAX_REASON = 1000
 
 
 @dataclass(frozen=True)
@@ -323,7 +325,8 @@ class ConsumerPull:
         self._phase = _Phase.RELEASE if self._cursor >= len(self._readable) else _Phase.REGISTRATION
 
     def _fail(self, reason: str, kind: Failure) -> None:
-        self._failure = reason
+        # Reasons quote what P sent (engine ids, segments, error texts): bounded, as they go to logs and to vLLM.
+        self._failure = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON] + " [cut]"
         self._kind = kind
         self._phase = _Phase.RELEASE
 

@@ -235,6 +235,7 @@ class PullLoop:
         )
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
         debug = logger.isEnabledFor(logging.DEBUG)
+        failure_out = False  # a failure is published (and its P noted) once, at once, before the releases
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
             if self._stopping.is_set():
                 job.abort("the engine is shutting down")
@@ -252,7 +253,8 @@ class PullLoop:
                     self._forget(host, base_port, sources)
                 self._note_outcome(instance, action.result)
                 return action.result
-            if job.failed:
+            if job.failed and not failure_out:
+                failure_out = True
                 failure = job.result()
                 # Before the result is out: a plan for the same P on its other lane must already see it suspect.
                 self._note_outcome(instance, failure)

@@ -216,16 +216,14 @@ class ConsumerPull:
         if reply is None:
             self._fail(f"claim on P rank {source.p_rank} failed: {error}", Failure.UNREACHABLE)
             return False
+        if reply.status is ClaimStatus.GRANTED:  # before the checks: a release after a refused one carries it
+            st.lease, st.lease_token = reply.lease, reply.lease_token
         accepted = False
         if st.registration is None and reply.registration is not None:
-            if reply.status is ClaimStatus.GRANTED:  # the release after a refused registration carries it
-                st.lease, st.lease_token = reply.lease, reply.lease_token
             if not self._accept(st, reply.registration):
                 return False
             accepted = True
         if reply.status is ClaimStatus.GRANTED:
-            st.lease = reply.lease
-            st.lease_token = reply.lease_token
             st.renew_at = now + reply.lease / 3
             if st.registration is None:  # an older P ignored the request for it: fetch it, then read
                 st.fetch_registration = True

@@ -18,9 +18,9 @@ cannot pass for a reply). Only the standard library's ``hmac``, ``hashlib`` and 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import secrets
-from collections import OrderedDict
 
 import msgspec
 
@@ -54,33 +54,49 @@ def _subkey(secret: bytes, purpose: str) -> bytes:
 
 
 class ReplayGuard:
-    """Nonces seen within the window. Bounded: when full, the oldest are forgotten and nothing at or before
-    their timestamp is accepted any more, so a forgotten nonce can never be replayed."""
+    """Nonces of the frames accepted within the window, and a floor: a frame stamped at or before the floor is
+    refused. Invariant: every frame ever accepted is either remembered or stamped at or before the floor, so no
+    frame opens twice, however much is forgotten.
+
+    Frames are forgotten oldest timestamp first (a heap), when they leave the window or to make room
+    (``capacity``), and the floor becomes the forgotten frame's timestamp. So the floor only ever rises to a
+    timestamp at or before this clock's ``now_ms``: a frame stamped in the future (a peer's clock ahead, within
+    ``clock_skew``) is forgotten last, and cannot lift the floor past now and lock out every synced peer, as one
+    such frame forgotten in arrival order did. When the table is full, the oldest of its frames and the new one is
+    forgotten (the new one itself, accepted, if it is the oldest); if even that one is stamped after now, the new
+    frame is refused ("replay window full") rather than let the floor pass now. That takes ``capacity`` frames
+    stamped ahead, all from holders of the secret, refuses only frames stamped ahead too, and lasts at most until
+    now reaches the oldest of them. O(log capacity) per frame."""
 
     def __init__(self, window_ms: int, capacity: int = MAX_NONCES) -> None:
         self.window_ms = window_ms
-        self.capacity = capacity
-        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> timestamp, in arrival order
-        self._floor_ms = -1  # reject timestamps <= this (forgotten while still inside the window)
+        self.capacity = max(1, capacity)
+        self._by_age: list[tuple[int, bytes]] = []  # (timestamp, nonce) of the remembered frames, a min-heap
+        self._nonces: set[bytes] = set()  # the same frames' nonces, for the replay check
+        self._floor_ms = -1  # refuse timestamps <= this (frames forgotten, so perhaps accepted before)
 
     def check_and_remember(self, nonce: bytes, ts_ms: int, now_ms: int) -> str:
-        while self._seen:
-            oldest_nonce, oldest_ts = next(iter(self._seen.items()))
-            if oldest_ts >= now_ms - self.window_ms:
-                break
-            del self._seen[oldest_nonce]
+        while self._by_age and self._by_age[0][0] < now_ms - self.window_ms:
+            self._forget_oldest()
         if ts_ms <= self._floor_ms:
             return "timestamp older than the replay window still remembers"
-        if nonce in self._seen:
+        if nonce in self._nonces:
             return "replayed nonce"
-        self._seen[nonce] = ts_ms
-        while len(self._seen) > self.capacity:
-            _, forgotten = self._seen.popitem(last=False)
-            self._floor_ms = max(self._floor_ms, forgotten)
+        if len(self._nonces) >= self.capacity and min(self._by_age[0][0], ts_ms) > now_ms:
+            return "replay window full (of frames stamped ahead of this clock)"
+        heapq.heappush(self._by_age, (ts_ms, nonce))
+        self._nonces.add(nonce)
+        while len(self._nonces) > self.capacity:
+            self._forget_oldest()  # stamped at or before now (checked above): perhaps the new frame itself
         return ""
 
+    def _forget_oldest(self) -> None:
+        ts_ms, nonce = heapq.heappop(self._by_age)
+        self._nonces.discard(nonce)
+        self._floor_ms = max(self._floor_ms, ts_ms)
+
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._nonces)
 
 
 class Authenticator:

@@ -16,7 +16,13 @@ from collections.abc import Callable
 import msgspec
 
 from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL, MAX_EARLY_RELEASES, MAX_HOLDS, ProducerLedger
+from vllm_kvp2p.lifecycle.producer import (
+    CLOCK_SKEW,
+    EARLY_RELEASE_TTL,
+    MAX_EARLY_RELEASES,
+    MAX_HOLDS,
+    ProducerLedger,
+)
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     Claim,
@@ -53,15 +59,17 @@ class HoldService:
         max_holds: int = MAX_HOLDS,
         max_early_releases: int = MAX_EARLY_RELEASES,
         early_release_ttl: float = EARLY_RELEASE_TTL,
+        clock_skew: float = CLOCK_SKEW,
         auth: Authenticator | None = None,
         on_release: Callable[[], None] | None = None,
     ) -> None:
-        """``on_release``: called (on the side-channel thread) after each release, which may free a hold."""
+        """``on_release``: called (on the side-channel thread) after each release, which may free a hold.
+        ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock)."""
         self.registration = registration
         self._on_release = on_release
         self.ledger = ProducerLedger(
             hold_timeout, lease_timeout, max_holds=max_holds, max_early_releases=max_early_releases,
-            early_release_ttl=early_release_ttl,
+            early_release_ttl=early_release_ttl, clock_skew=clock_skew,
         )
         self._clock = clock
         self._warned_at: dict[str, float] = {}  # reason -> when it was last logged
@@ -133,7 +141,7 @@ class HoldService:
                 if isinstance(message, Claim):
                     reply = self.ledger.claim(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
-                        message.claim_id,
+                        message.claim_id, deadline_ms=message.deadline_ms, wall_now_ms=time.time_ns() // 1_000_000,
                     )
                     if reply.status is ClaimStatus.REFUSED:
                         self.ledger.tally["claims_refused"] += 1

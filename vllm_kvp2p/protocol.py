@@ -187,6 +187,9 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
     # D has no registration of this rank yet: send it with the reply (one round trip instead of two for a new P;
     # a P of an older release ignores the field and D fetches it after the claim).
     with_registration: bool = False
+    # D's wall clock (ms since the epoch) after which D no longer reads for this pull; 0: not given (an older D).
+    # P refuses a claim that arrives clock_skew or more after it, and no lease runs past it + clock_skew.
+    deadline_ms: int = 0
 
 
 class Renew(msgspec.Struct, frozen=True, tag="renew"):

@@ -3,8 +3,12 @@ Every refusal is paired with the same input passing without the defence, so each
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_kvp2p.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
@@ -161,6 +165,109 @@ def test_replay_guard_is_bounded_and_never_forgets_into_a_replay() -> None:
     assert guard.check_and_remember(b"m" * 16, NOW + 100_000, NOW + 100_000) == ""
     assert len(guard) == 1
     assert MAX_NONCES >= 1 << 16
+
+
+class ArrivalOrderGuard:
+    """The replay guard before: nonces forgotten in arrival order, the floor raised to the forgotten one's stamp."""
+
+    def __init__(self, window_ms: int, capacity: int) -> None:
+        self.window_ms, self.capacity = window_ms, capacity
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._floor_ms = -1
+
+    def check_and_remember(self, nonce: bytes, ts_ms: int, now_ms: int) -> str:
+        while self._seen and next(iter(self._seen.values())) < now_ms - self.window_ms:
+            self._seen.popitem(last=False)
+        if ts_ms <= self._floor_ms:
+            return "timestamp older than the replay window still remembers"
+        if nonce in self._seen:
+            return "replayed nonce"
+        self._seen[nonce] = ts_ms
+        while len(self._seen) > self.capacity:
+            self._floor_ms = max(self._floor_ms, self._seen.popitem(last=False)[1])
+        return ""
+
+
+@pytest.mark.parametrize("guard_class", [ArrivalOrderGuard, ReplayGuard])
+def test_one_frame_stamped_ahead_cannot_lock_out_synced_peers(guard_class: type) -> None:
+    """A peer whose clock is 29 s ahead (within clock_skew 30 s: accepted) sends one frame; capacity-many frames of
+    synced peers follow. Forgotten in arrival order, the ahead frame lifted the floor 29 s into the future and
+    every synced peer was refused for 29 s; forgotten oldest stamp first, the floor stays behind now."""
+    a = auth(skew=30)
+    guard = guard_class(2 * a.skew_ms, capacity=100)
+    ahead, _ = a.seal_request(b"ahead", NOW + 29_000)
+    a.open_request(ahead, NOW, guard)
+    fresh = [a.seal_request(b"q", NOW + i)[0] for i in range(100)]
+    for i, frame in enumerate(fresh):
+        a.open_request(frame, NOW + i, guard)
+    synced, _ = a.seal_request(b"synced", NOW + 101)
+    if guard_class is ArrivalOrderGuard:  # the attack, on the old logic
+        with pytest.raises(AuthError, match="older than the replay window"):
+            a.open_request(synced, NOW + 101, guard)
+        assert guard._floor_ms == NOW + 29_000
+        return
+    assert a.open_request(synced, NOW + 101, guard)[0] == b"synced"
+    assert guard._floor_ms <= NOW + 101 and len(guard) == 100
+    # A forgotten nonce (the oldest synced frames made room) is still refused, and so is the remembered one.
+    with pytest.raises(AuthError, match="older than the replay window"):
+        a.open_request(fresh[0], NOW + 102, guard)
+    with pytest.raises(AuthError, match="replayed nonce"):
+        a.open_request(ahead, NOW + 102, guard)
+
+
+def test_a_window_full_of_frames_stamped_ahead_never_lifts_the_floor_past_now() -> None:
+    guard = ReplayGuard(window_ms=60_000, capacity=3)
+    for i in range(3):
+        assert guard.check_and_remember(bytes([i]) * 16, NOW + 20_000 + i, NOW) == ""
+    # Another frame stamped ahead: forgetting any would lift the floor past now, so it is refused.
+    assert guard.check_and_remember(b"a" * 16, NOW + 5, NOW) == "replay window full (of frames stamped ahead of " \
+        "this clock)"
+    # A synced peer's frame is the oldest: accepted and forgotten at once, the floor rising to its stamp (not past
+    # now), so it is still never accepted twice.
+    assert guard.check_and_remember(b"s" * 16, NOW, NOW) == ""
+    assert guard._floor_ms == NOW and len(guard) == 3
+    assert guard.check_and_remember(b"s" * 16, NOW, NOW + 1) != ""
+    assert guard.check_and_remember(b"t" * 16, NOW + 1, NOW + 1) == ""
+    # Once this clock reaches the oldest of those ahead, it is forgotten in turn, and never accepted again.
+    assert guard.check_and_remember(b"u" * 16, NOW + 20_000, NOW + 20_000) == ""
+    assert guard._floor_ms == NOW + 20_000
+    assert guard.check_and_remember(b"\x00" * 16, NOW + 20_000, NOW + 20_001) != ""
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(capacity=st.integers(1, 6), events=st.lists(
+    st.tuples(st.integers(0, 15), st.integers(-80, 80), st.integers(-20, 30)), max_size=120))
+def test_no_frame_is_ever_accepted_twice(capacity: int, events: list[tuple[int, int, int]]) -> None:
+    """Whatever the order, the stamps (past, future, beyond the window) and the clock (even stepping back): a
+    frame (a nonce and the stamp its MAC binds) opens at most once, the table stays within capacity, and the floor
+    never passes the latest now."""
+    guard = ReplayGuard(window_ms=50, capacity=capacity)
+    stamps: dict[bytes, int] = {}
+    accepted: set[bytes] = set()
+    now = latest = NOW
+    for which, offset, step in events:
+        now += step
+        latest = max(latest, now)
+        nonce = bytes([which]) * 16
+        if guard.check_and_remember(nonce, stamps.setdefault(nonce, now + offset), now) == "":
+            assert nonce not in accepted
+            accepted.add(nonce)
+        assert len(guard) <= capacity and guard._floor_ms <= latest
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(capacity=st.integers(1, 6), events=st.lists(st.tuples(st.integers(-80, 80), st.integers(1, 30)),
+                                                    max_size=120))
+def test_a_synced_peer_is_never_refused_whatever_else_was_accepted(
+        capacity: int, events: list[tuple[int, int]]) -> None:
+    """Frames stamped anyhow (up to 80 ms ahead) in between: a synced peer's fresh frame, stamped at a now later
+    than every one before, always opens (with the old guard, one frame stamped ahead and forgotten refused it)."""
+    guard = ReplayGuard(window_ms=50, capacity=capacity)
+    now = NOW
+    for i, (offset, step) in enumerate(events):
+        now += step
+        assert guard.check_and_remember(b"s" + i.to_bytes(15, "big"), now, now) == ""  # a synced peer's frame
+        guard.check_and_remember(b"o" + i.to_bytes(15, "big"), now + offset, now)  # anyone's, stamped anyhow
 
 
 # --------------------------------------------------------------------------- settings

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 
-from vllm_kvp2p.lifecycle.producer import MAX_EARLY_RELEASES, HoldState, ProducerLedger
+import pytest
+
+from vllm_kvp2p.lifecycle.producer import MAX_EARLY_RELEASES, STALE_SLACK, HoldState, ProducerLedger
 from vllm_kvp2p.protocol import MAX_TP_SIZE, ClaimStatus
 
 
@@ -260,7 +263,7 @@ def test_forged_release_without_the_token_leaves_the_lease_and_the_hold() -> Non
     lg.release("r1", "h", "d:0", 1, now=2)  # forged: no token
     lg.release("r1", "h", "d:0", 1, now=2, lease_token="tok-guess")  # forged: wrong token
     assert lg.take_freed() == [] and lg.state("r1") is HoldState.CLAIMED
-    assert lg._holds[("r1", "h")].leases == {"d:0": 5.0}
+    assert {r: lease.until for r, lease in lg._holds[("r1", "h")].leases.items()} == {"d:0": 5.0}
     assert lg.counters["release_without_token"] == 2
     assert [e.reason for e in lg.take_events()] == ["release_without_token"] * 2
     forged_renew = lg.renew("r1", "h", "d:0", now=2, lease_token="")
@@ -380,3 +383,286 @@ def test_p_confirms_a_read_only_when_the_lease_held_from_claim_to_release() -> N
     # Nothing to confirm for a reader that read nothing; a pulled release for a hold P never had is not confirmed.
     assert lg.release("never", "h", "d:1", 1, now=7, pulled=False) is True
     assert lg.release("never2", "h", "d:1", 1, now=7, pulled=True) is False
+
+
+# --------------------------------------------------------------------------- the heap of deadlines, bounded by holds
+# Before, every release that left a hold live, every renewal and every resent claim pushed a heap entry, and stale
+# entries left only when due: 200,000 messages from one peer on its own hold, 200,000 entries (30 MiB), and one
+# expire() after 1,000,000 of them took seconds under the hold service's lock. PushedEveryTime replays that rule
+# next to the real ledger, on the same messages, so each test shows the old heap growing while the new one stays
+# within 2 x live holds + STALE_SLACK.
+
+
+class PushedEveryTime(ProducerLedger):
+    """The ledger, plus ``old_heap``: the deadlines the old rule pushed (one per grant, renewal, and release that
+    left its hold live), each gone only once due."""
+
+    def __init__(self, **kw) -> None:
+        tokens = itertools.count(1)
+        super().__init__(hold_timeout=10.0, lease_timeout=4.0, token_factory=lambda: f"tok-{next(tokens)}", **kw)
+        self.old_heap: list[float] = []
+
+    def claim(self, request_id, hold_id, reader, expected_readers, now, claim_id="", **kw):  # type: ignore[override]
+        reply = super().claim(request_id, hold_id, reader, expected_readers, now, claim_id, **kw)
+        if reply.status is ClaimStatus.GRANTED:
+            heapq.heappush(self.old_heap, now + reply.lease)
+        return reply
+
+    def renew(self, request_id, hold_id, reader, now, lease_token=""):  # type: ignore[override]
+        reply = super().renew(request_id, hold_id, reader, now, lease_token)
+        if reply.status is ClaimStatus.GRANTED:
+            heapq.heappush(self.old_heap, now + reply.lease)
+        return reply
+
+    def release(self, request_id, hold_id, reader, expected_readers, now, lease_token="", pulled=False):  # type: ignore[override]
+        held = super().release(request_id, hold_id, reader, expected_readers, now, lease_token, pulled)
+        hold = self._holds.get((request_id, hold_id))
+        if hold is not None and not hold.leases:
+            heapq.heappush(self.old_heap, hold.hold_deadline)
+        return held
+
+    def expire(self, now: float) -> None:
+        super().expire(now)
+        while self.old_heap and self.old_heap[0] <= now:
+            heapq.heappop(self.old_heap)
+
+    def heap_bound(self) -> int:
+        return 2 * self.active + STALE_SLACK
+
+
+def hostile_stream(lg: PushedEveryTime, kind: str, holds: int, messages: int) -> None:
+    """``messages`` of one kind spread over ``holds`` holds (each with a peer's reader "x:0"), 1e-5 s apart from
+    t=1, with an engine step's expire() every 100 messages; the heap checked against its bound as it goes."""
+    ids = [f"r{i}" for i in range(holds)]
+    tokens = {}
+    for rid in ids:
+        lg.hold(rid, "h", now=0)
+        if kind in ("renew", "resent claim"):
+            tokens[rid] = lg.claim(rid, "h", "x:0", 1, now=1, claim_id=f"c-{rid}").lease_token
+    for i in range(messages):
+        rid, now = ids[i % holds], 1 + i * 1e-5
+        if kind == "release":  # a reader with no lease, on a hold expecting two: the hold stays live
+            lg.release(rid, "h", "x:0", 2, now=now)
+        elif kind == "renew":
+            assert lg.renew(rid, "h", "x:0", now=now, lease_token=tokens[rid]).status is ClaimStatus.GRANTED
+        else:
+            assert lg.claim(rid, "h", "x:0", 1, now=now, claim_id=f"c-{rid}").status is ClaimStatus.GRANTED
+        if i % 100 == 99:
+            lg.expire(now)
+            lg.take_events()
+        if i % 1000 == 999:
+            assert lg.table_sizes()["deadlines"] <= lg.heap_bound()
+    assert lg.active == holds and lg.take_freed() == []
+
+
+@pytest.mark.parametrize("holds", [1, 1000])
+@pytest.mark.parametrize("kind", ["release", "renew", "resent claim"])
+def test_repeated_messages_keep_the_heap_within_two_entries_per_hold(kind: str, holds: int) -> None:
+    lg = PushedEveryTime()
+    hostile_stream(lg, kind, holds, 100_000)
+    assert lg.table_sizes()["deadlines"] <= lg.heap_bound()
+    assert len(lg.old_heap) >= 100_000  # the old rule: one entry per message, none due yet
+
+
+def test_deadlines_moved_earlier_again_and_again_are_rebuilt_away() -> None:
+    """The only messages that still add an entry move a hold's deadline earlier: each new reader with a shorter
+    lease (its claim's deadline nearer). A hold has at most MAX_TP_SIZE readers; the rebuild bounds the rest."""
+    lg = PushedEveryTime(clock_skew=0.0)
+    for h in range(50):
+        lg.hold(f"r{h}", "h", now=0)
+    wall = 1_800_000_000_000
+    for i in range(MAX_TP_SIZE):
+        for h in range(50):
+            reply = lg.claim(f"r{h}", "h", f"x:{i}", 1, now=0, deadline_ms=wall + 4000 - i, wall_now_ms=wall)
+            assert reply.status is ClaimStatus.GRANTED and reply.lease == pytest.approx((4000 - i) / 1000)
+            assert lg.table_sizes()["deadlines"] <= lg.heap_bound()  # at every message
+    assert len(lg.old_heap) == 50 * MAX_TP_SIZE
+    lg.expire(now=4.0)  # every lease lapsed: every hold finished, their stale entries dropped
+    assert lg.active == 0 and len(lg.take_freed()) == 50
+    assert lg.table_sizes()["deadlines"] <= STALE_SLACK
+
+
+def test_finished_holds_leave_no_pile_of_stale_entries() -> None:
+    lg = ledger()
+    for i in range(10_000):
+        lg.hold(f"r{i}", "h", now=0)
+        token = lg.claim(f"r{i}", "h", "d:0", 1, now=0.5).lease_token  # its entry moves to the lease (earlier)
+        lg.release(f"r{i}", "h", "d:0", 1, now=1, lease_token=token)
+    assert lg.active == 0 and len(lg.take_freed()) == 10_000
+    assert lg.table_sizes()["deadlines"] <= STALE_SLACK
+
+
+def test_after_the_churn_the_hold_deadline_still_fires_on_time() -> None:
+    lg = PushedEveryTime()
+    hostile_stream(lg, "release", 1, 100_000)  # until t=2; hold deadline 10
+    lg.expire(now=9.999)
+    assert lg.take_freed() == []
+    lg.expire(now=10.0)
+    assert lg.take_freed() == ["r0"] and lg.counters["hold_expired"] == 1
+    assert lg.table_sizes()["deadlines"] <= lg.heap_bound()
+
+
+def test_after_the_churn_a_lease_still_lapses_on_time() -> None:
+    lg = PushedEveryTime()
+    hostile_stream(lg, "renew", 1, 100_000)  # last renewal at t=1.99999: lease until 5.99999
+    lg.expire(now=5.99)
+    assert lg.take_freed() == []
+    lg.expire(now=6.0)
+    assert lg.take_freed() == ["r0"] and lg.counters["lease_lapsed"] == 1
+    assert lg.table_sizes()["deadlines"] <= lg.heap_bound()
+
+
+def test_after_the_churn_the_pin_deadline_still_fires_on_time() -> None:
+    lg = PushedEveryTime()
+    lg.hold("r0", "h", now=0)
+    token = lg.claim("r0", "h", "x:0", 1, now=1, claim_id="c").lease_token
+    for i in range(100_000):  # renewals until t=7.45, then resent claims until 13.9, each extending up to 14
+        now = 1 + i * 12.9e-5
+        if i >= 50_000:
+            assert lg.claim("r0", "h", "x:0", 1, now=now, claim_id="c").lease_token == token
+        else:
+            assert lg.renew("r0", "h", "x:0", now=now, lease_token=token).status is ClaimStatus.GRANTED
+        if i % 100 == 99:
+            lg.expire(now)
+    assert lg.table_sizes()["deadlines"] <= lg.heap_bound() and len(lg.old_heap) > 30_000  # those not yet due
+    lg.expire(now=13.999)
+    assert lg.take_freed() == []
+    lg.expire(now=14.0)
+    assert lg.take_freed() == ["r0"] and lg.counters["hold_capped"] == 1
+
+
+def test_renewed_holds_are_filed_again_not_expired_early() -> None:
+    """A renewal adds no entry: the hold's entry comes up at the old lease end, and expire() files it again at the
+    new one without looking further (nor freeing)."""
+    lg = ledger()
+    lg.hold("r1", "h", now=0)
+    token = lg.claim("r1", "h", "d:0", 1, now=1).lease_token  # until 5
+    lg.renew("r1", "h", "d:0", now=3, lease_token=token)  # until 7
+    looked: list[str] = []
+    original = lg._expire_one
+    lg._expire_one = lambda hold, now: (looked.append(hold.request_id), original(hold, now))  # type: ignore
+    lg.expire(now=5.0)
+    assert looked == [] and lg.take_freed() == []
+    lg.expire(now=7.0)
+    assert looked == ["r1"] and lg.take_freed() == ["r1"]
+
+
+# --------------------------------------------------------------------------- a claim carries D's deadline
+
+WALL = 1_800_000_000_000  # ms since the epoch: P's wall clock in these tests
+
+
+def test_a_claim_that_arrives_after_ds_deadline_is_refused() -> None:
+    lg = ledger(clock_skew=2.0)
+    lg.hold("r1", "h", now=0)
+    late = lg.claim("r1", "h", "d:0", 1, now=1, claim_id="c", deadline_ms=WALL - 2001, wall_now_ms=WALL)
+    assert late.status is ClaimStatus.REFUSED and late.reason == "the claim arrived after D's deadline"
+    assert not late.lease_token and lg.counters["claim_after_deadline"] == 1
+    assert [e.reason for e in lg.take_events()] == ["claim_after_deadline"]
+    assert lg.state("r1") is HoldState.HELD
+    # Within clock_skew of the deadline: granted (the clocks may disagree that much).
+    ok = lg.claim("r1", "h", "d:0", 1, now=1, claim_id="c", deadline_ms=WALL - 1999, wall_now_ms=WALL)
+    assert ok.status is ClaimStatus.GRANTED and ok.lease == pytest.approx(0.001)
+    # Counted even for a hold P does not know (D gave up: UNKNOWN would only make it retry).
+    assert lg.claim("nope", "h", "d:0", 1, now=1, deadline_ms=WALL - 5000, wall_now_ms=WALL).status \
+        is ClaimStatus.REFUSED
+    assert lg.counters["claim_after_deadline"] == 2
+
+
+def test_a_late_claim_pins_the_blocks_only_until_ds_deadline() -> None:
+    """A claim delivered late (held in a kernel buffer while D's link was down), 1 s after D's deadline, within
+    clock_skew = 2 s: granted, but its lease ends at the deadline + clock_skew, 1 s from now, renewed or not."""
+    lg = ledger(clock_skew=2.0)  # lease_timeout 4
+    lg.hold("r1", "h", now=0)
+    reply = lg.claim("r1", "h", "d:0", 1, now=1, deadline_ms=WALL - 1000, wall_now_ms=WALL)
+    assert reply.status is ClaimStatus.GRANTED and reply.lease == pytest.approx(1.0)
+    refused = lg.renew("r1", "h", "d:0", now=1.5, lease_token=reply.lease_token)
+    assert refused.status is ClaimStatus.REFUSED and lg.counters["renew_past_deadline"] == 1
+    assert "deadline + clock_skew" in lg.take_events()[-1].what
+    lg.expire(now=1.99)
+    assert lg.take_freed() == []
+    lg.expire(now=2.0)
+    assert lg.take_freed() == ["r1"] and lg.counters["lease_lapsed"] == 1
+    assert "claim's deadline" in lg.take_events()[-1].what
+
+
+def test_without_the_deadline_the_late_claim_pins_for_lease_timeout() -> None:
+    """The same late claim from an older D (no deadline): nothing says D gave up, so its blocks stay pinned for a
+    whole lease_timeout (4 s here, 60 s by default) instead of 1 s."""
+    lg = ledger(clock_skew=2.0)
+    lg.hold("r1", "h", now=0)
+    reply = lg.claim("r1", "h", "d:0", 1, now=1, deadline_ms=0, wall_now_ms=WALL)
+    assert reply.status is ClaimStatus.GRANTED and reply.lease == 4.0
+    lg.expire(now=2.0)
+    lg.expire(now=4.99)
+    assert lg.take_freed() == []
+    lg.expire(now=5.0)
+    assert lg.take_freed() == ["r1"]
+
+
+def test_a_resent_claim_keeps_the_first_claims_deadline() -> None:
+    lg = ledger(clock_skew=1.0)
+    lg.hold("r1", "h", now=0)
+    first = lg.claim("r1", "h", "d:0", 1, now=1, claim_id="c", deadline_ms=WALL + 1000, wall_now_ms=WALL)
+    assert first.lease == pytest.approx(2.0)  # until 3: deadline (now + 1) + clock_skew 1
+    for deadline in (WALL + 60_000, 0):  # a resend naming a later deadline, or none, cannot move it
+        again = lg.claim("r1", "h", "d:0", 1, now=1.5, claim_id="c", deadline_ms=deadline, wall_now_ms=WALL + 500)
+        assert again.lease_token == first.lease_token and again.lease == pytest.approx(1.5)
+    assert lg.renew("r1", "h", "d:0", now=2.9, lease_token=first.lease_token).status is ClaimStatus.REFUSED
+    # Resent past the cap: nothing left to give (before, it was granted with no time left).
+    gone = lg.claim("r1", "h", "d:0", 1, now=3.0, claim_id="c", deadline_ms=WALL + 1000, wall_now_ms=WALL + 2000)
+    assert gone.status is ClaimStatus.REFUSED and not gone.lease_token
+    lg.expire(now=3.0)
+    assert lg.take_freed() == ["r1"]
+
+
+def test_renewals_are_cut_at_ds_deadline_plus_clock_skew() -> None:
+    lg = ledger(clock_skew=2.0)  # lease_timeout 4
+    lg.hold("r1", "h", now=0)
+    reply = lg.claim("r1", "h", "d:0", 1, now=1, deadline_ms=WALL + 3000, wall_now_ms=WALL)  # cap: 1 + 3 + 2
+    assert reply.lease == 4.0
+    renewed = lg.renew("r1", "h", "d:0", now=3, lease_token=reply.lease_token)
+    assert renewed.status is ClaimStatus.GRANTED and renewed.lease == 3.0 and lg.counters["lease_cut_to_deadline"] == 1
+    assert lg.renew("r1", "h", "d:0", now=4, lease_token=reply.lease_token).status is ClaimStatus.REFUSED
+    lg.expire(now=5.99)
+    assert lg.take_freed() == []
+    lg.expire(now=6.0)
+    assert lg.take_freed() == ["r1"]
+
+
+def test_the_hold_service_passes_the_claims_deadline_and_its_wall_clock() -> None:
+    import time
+
+    from vllm_kvp2p.hold_service import HoldService
+    from vllm_kvp2p.protocol import Claim, ClaimReply, RankRegistration
+    from vllm_kvp2p.testing.server import free_port
+    from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+    from vllm_kvp2p.transfer.slicing import BlockShape
+
+    reg = RankRegistration("P", 0, 1, "127.0.0.1:1", [PlaneGeometry(1 << 30, 512, 512, 100)],
+                           [BlockShape(True, 2, 16, 16)], ["l0"], 16, 100, "float32", 2, 2, 8)
+    service = HoldService(reg, "127.0.0.1", free_port(), hold_timeout=10, lease_timeout=4, clock_skew=5.0)
+    try:
+        service.hold("r1", "h")
+        wall_ms = time.time_ns() // 1_000_000
+        late = service._handle(Claim("r1", "h", "d:0", 1, "c", deadline_ms=wall_ms - 60_000))
+        assert isinstance(late, ClaimReply) and late.status is ClaimStatus.REFUSED
+        assert service.counters()["claim_after_deadline"] == 1
+        ok = service._handle(Claim("r1", "h", "d:0", 1, "c", deadline_ms=wall_ms + 60_000))
+        assert isinstance(ok, ClaimReply) and ok.status is ClaimStatus.GRANTED and ok.lease == 4.0
+        assert service._handle(Claim("r1", "h", "d:1", 2, "c2", deadline_ms=wall_ms - 3_000)).lease < 2.5
+    finally:
+        service.close()
+
+
+def test_a_claim_without_deadline_ms_decodes_as_not_given() -> None:
+    """An older D's claim has no deadline_ms: it decodes as 0 (not given), and a new one carries it."""
+    import msgspec
+
+    from vllm_kvp2p.protocol import Claim, decode_request, encode
+
+    older = msgspec.msgpack.encode({"type": "claim", "request_id": "r", "hold_id": "h", "reader": "d:0",
+                                    "expected_readers": 1})
+    assert decode_request(older) == Claim("r", "h", "d:0", 1)
+    assert decode_request(older).deadline_ms == 0
+    assert decode_request(encode(Claim("r", "h", "d:0", 1, deadline_ms=WALL))).deadline_ms == WALL

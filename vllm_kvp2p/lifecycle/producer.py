@@ -16,14 +16,22 @@
 * A hold is known by its request id **and** its hold id (random per hold): a request id that comes back (reused by
   a client, or a collision of vLLM's random suffix) gets a hold of its own, and every delayed free is reported
   exactly once, whatever the ids.
-* Time costs what expires, not what is held: every deadline (hold, hard cap, lease) goes into a heap when it is
-  set, and :meth:`ProducerLedger.expire` looks only at holds whose deadline has come.
+* Time costs what expires, not what is held: each hold has one entry in a heap of deadlines, at (or before) the
+  next moment something about it may change (its first lease to lapse; without leases, its hold deadline), and
+  :meth:`ProducerLedger.expire` looks only at holds whose deadline has come.
 
 Bounds (the side channel is not authenticated, so every peer is a possible attacker; docs/security.md):
 
 * No hold pins its blocks past ``created + hold_timeout + lease_timeout`` (its ``pin_deadline``), whatever its
   claims name and however often they are renewed: leases are granted only up to it, :meth:`ProducerLedger.expire`
   frees the hold once it has passed.
+* The heap of deadlines holds at most ``2 x live holds + STALE_SLACK`` entries, whatever peers send: a message
+  that moves a hold's deadline later (a renewal, a resent claim) adds no entry (the current one comes up early and
+  :meth:`ProducerLedger.expire` files the hold again at its real deadline); one that moves it earlier replaces it,
+  and the heap is rebuilt from the holds when stale entries outnumber current ones.
+* A claim may carry D's deadline (``deadline_ms``, D's wall clock): one that arrives ``clock_skew`` or more
+  after it is refused, and no lease runs past it + ``clock_skew`` (a claim delivered late, held in a kernel
+  buffer while D's link was down, pins the blocks only until D has given up, not for a whole ``lease_timeout``).
 * A granted claim carries a lease token; renewing, and releasing while the lease is live, need it. So a peer
   that only knows the request, hold and reader names cannot drop a live lease (P would free blocks a reader is
   still reading). A second claim by a reader whose lease is live is refused: re-issuing the token would hand it
@@ -50,6 +58,8 @@ MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
 EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read from within one P engine step
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
+CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
+STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
 
 _Key = tuple[str, str]  # (request id, hold id)
 
@@ -65,21 +75,39 @@ class HoldState(enum.Enum):
         return self in (HoldState.RELEASED, HoldState.EXPIRED)
 
 
+@dataclass(frozen=True)
+class Lease:
+    """One reader's claim on a hold. Replaced, never changed in place, when it is renewed or its claim resent."""
+
+    until: float  # P's clock: it lapses then unless renewed
+    cap: float  # it is never renewed past this: the hold's pin deadline, or the claim's deadline + clock_skew
+    token: str  # renewals, and the release while it is live, must carry it
+    claim_id: str  # chosen by D: a claim resent with the same one gets this lease back
+
+    def extended(self, now: float, lease_timeout: float) -> Lease:
+        """Refreshed to ``lease_timeout`` from now, never past its cap, never shortened."""
+        return Lease(max(self.until, min(now + lease_timeout, self.cap)), self.cap, self.token, self.claim_id)
+
+
 @dataclass
 class _Hold:
     request_id: str
     hold_id: str
-    state: HoldState
     hold_deadline: float
     pin_deadline: float  # hard: no lease runs past it
-    created: float = 0.0
+    created: float
     num_blocks: int = 0
+    state: HoldState = HoldState.HELD
     expected_readers: int = 1
-    leases: dict[str, float] = field(default_factory=dict)  # reader -> lease deadline
-    tokens: dict[str, str] = field(default_factory=dict)  # reader -> token of its (last) claim
-    claim_ids: dict[str, str] = field(default_factory=dict)  # reader -> the claim id D chose for it
+    leases: dict[str, Lease] = field(default_factory=dict)  # reader -> its live lease
     released_by: set[str] = field(default_factory=set)
     confirmed: set[str] = field(default_factory=set)  # readers whose lease held from claim to release
+    # (deadline, sequence) of its one current entry in the ledger's heap; any other entry naming it is stale.
+    due: tuple[float, int] | None = None
+
+    @property
+    def key(self) -> _Key:
+        return (self.request_id, self.hold_id)
 
     def knows(self, reader: str) -> bool:
         return reader in self.leases or reader in self.released_by
@@ -87,6 +115,38 @@ class _Hold:
     @property
     def num_readers(self) -> int:
         return len(self.released_by) + len(self.leases)  # a reader is in one or the other
+
+    @property
+    def all_released(self) -> bool:
+        return len(self.released_by) >= self.expected_readers and not self.leases
+
+    def next_deadline(self) -> float:
+        """When expire() must look at it next: its first lease to lapse or, without leases, its hold deadline (the
+        pin deadline is never earlier: every lease ends by it)."""
+        return min((lease.until for lease in self.leases.values()), default=self.hold_deadline)
+
+    def grant(self, reader: str, lease: Lease) -> None:
+        self.leases[reader] = lease
+        self.state = HoldState.CLAIMED
+
+    def release_reader(self, reader: str, now: float, pulled: bool) -> bool:
+        """The reader is done; returns whether its lease held from its claim to now (see ProducerLedger.release)."""
+        lease = self.leases.pop(reader, None)
+        if lease is not None:
+            held = lease.until > now  # lapsed but not yet expired: blocks still there, but not promised
+            if held:
+                self.confirmed.add(reader)
+        else:
+            held = reader in self.confirmed or not pulled
+        self.released_by.add(reader)
+        return held
+
+    def lapse(self, now: float) -> dict[str, Lease]:
+        """Drop the leases that have run out; returns them, by reader name."""
+        lapsed = {reader: lease for reader, lease in sorted(self.leases.items()) if lease.until <= now}
+        for reader in lapsed:
+            del self.leases[reader]
+        return lapsed
 
 
 @dataclass(frozen=True)
@@ -117,18 +177,20 @@ class ProducerLedger:
         max_holds: int = MAX_HOLDS,
         max_early_releases: int = MAX_EARLY_RELEASES,
         early_release_ttl: float = EARLY_RELEASE_TTL,
+        clock_skew: float = CLOCK_SKEW,
         token_factory: Callable[[], str] = lambda: secrets.token_hex(16),
     ) -> None:
         self.hold_timeout = hold_timeout
         self.lease_timeout = lease_timeout
+        self.clock_skew = clock_skew
         self.max_holds = max_holds
         self.max_early_releases = max_early_releases
         self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
         self._holds: dict[_Key, _Hold] = {}
         self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
-        # (deadline, sequence, hold): every hold, hard-cap and lease deadline when it is set; stale entries (the
-        # hold is gone, the lease was renewed) are skipped when they come up.
+        # (deadline, sequence, hold): each live hold's current entry (its ``due``), and stale ones (the hold is gone,
+        # or its deadline moved earlier), skipped when they come up and rebuilt away when they are many.
         self._deadlines: list[tuple[float, int, _Key]] = []
         self._sequence = itertools.count()
         # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
@@ -190,14 +252,13 @@ class ProducerLedger:
             # vLLM already kept the blocks: dropping the hold would leak them. Keep it, say so.
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
-        hold = _Hold(request_id, hold_id, HoldState.HELD, now + self.hold_timeout,
-                     now + self.hold_timeout + self.lease_timeout, created=now, num_blocks=max(0, num_blocks))
+        hold = _Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
+                     created=now, num_blocks=max(0, num_blocks))
         self._holds[key] = hold
         self.tally["created"] += 1
         self.blocks_held += hold.num_blocks
         self._live_ids.setdefault(request_id, set()).add(hold_id)
-        self._due(hold.hold_deadline, key)
-        self._due(hold.pin_deadline, key)
+        self._due_by(hold, hold.hold_deadline)
         early = self._early.pop(key, None)
         if early is not None:
             hold.expected_readers = early.expected_readers
@@ -207,11 +268,21 @@ class ProducerLedger:
     # ------------------------------------------------------------------ events from decoders
 
     def claim(
-        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, claim_id: str = ""
+        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, claim_id: str = "",
+        *, deadline_ms: int = 0, wall_now_ms: int = 0,
     ) -> ClaimReply:
+        """``deadline_ms``: D's wall clock (ms since the epoch) after which it no longer reads for this pull, 0 if
+        not given (an older D); ``wall_now_ms``: P's wall clock now. A claim that arrives ``clock_skew`` or more
+        after its deadline is refused, and its lease never runs past deadline + ``clock_skew``."""
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
             return ClaimReply(ClaimStatus.REFUSED, reason=bad)
+        late_ms = wall_now_ms - deadline_ms
+        if deadline_ms > 0 and late_ms >= self.clock_skew * 1000:  # at clock_skew exactly: no time left to lease
+            self._refuse(request_id, "claim_after_deadline", f"claim by {reader} refused: it arrived "
+                         f"{late_ms / 1000:.1f} s after D's deadline (clock_skew {self.clock_skew:g} s; D had "
+                         "given up on the pull: delivered late, or the clocks disagree)")
+            return ClaimReply(ClaimStatus.REFUSED, reason="the claim arrived after D's deadline")
         hold = self._holds.get((request_id, hold_id))
         if hold is None:
             final = self._tombstones.get((request_id, hold_id))
@@ -224,14 +295,18 @@ class ProducerLedger:
             return ClaimReply(ClaimStatus.UNKNOWN, reason="no such hold (yet)")
         if reader in hold.released_by:
             return ClaimReply(ClaimStatus.REFUSED, reason="reader already released this hold")
-        if reader in hold.leases and claim_id and secrets.compare_digest(
-                claim_id.encode(), hold.claim_ids.get(reader, "").encode()):
-            # The same claim resent (its reply was lost): the same lease, refreshed up to the hard deadline.
-            until = min(now + self.lease_timeout, hold.pin_deadline)
-            hold.leases[reader] = max(hold.leases[reader], until)
-            self._due(hold.leases[reader], (request_id, hold_id))
-            return ClaimReply(ClaimStatus.GRANTED, lease=hold.leases[reader] - now, lease_token=hold.tokens[reader])
-        if reader in hold.leases:
+        lease = hold.leases.get(reader)
+        if lease is not None and claim_id and secrets.compare_digest(claim_id.encode(), lease.claim_id.encode()):
+            # The same claim resent (its reply was lost): the same lease, refreshed up to its cap (the first
+            # claim's deadline: a resend cannot move it). Only later, so the hold's heap entry stays.
+            lease = lease.extended(now, self.lease_timeout)
+            if lease.until <= now:
+                self._refuse(request_id, "claim_past_deadline", f"resent claim by {reader} refused: its lease "
+                             "ran to its cap")
+                return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
+            hold.grant(reader, lease)
+            return ClaimReply(ClaimStatus.GRANTED, lease=lease.until - now, lease_token=lease.token)
+        if lease is not None:
             # Someone else naming this reader (another claim id): the token stays secret.
             self._refuse(request_id, "claim_refused_live_lease", f"second claim by {reader} refused: its lease "
                          "is live")
@@ -239,41 +314,43 @@ class ProducerLedger:
         if hold.num_readers >= MAX_TP_SIZE:
             self._refuse(request_id, "readers_per_hold_full", f"claim by {reader} refused: {MAX_TP_SIZE} readers")
             return ClaimReply(ClaimStatus.REFUSED, reason=f"hold already has {MAX_TP_SIZE} readers")
-        until = min(now + self.lease_timeout, hold.pin_deadline)
+        cap = hold.pin_deadline
+        if deadline_ms > 0:  # D's deadline on P's clock, as of now: after it no D reads for this claim
+            cap = min(cap, now - late_ms / 1000 + self.clock_skew)
+        until = min(now + self.lease_timeout, cap)
         if until <= now:
             self._refuse(request_id, "claim_past_deadline", f"claim by {reader} refused: past the hold's hard "
                          "deadline")
             return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
         hold.expected_readers = max(hold.expected_readers, self._readers(request_id, expected_readers))
-        token = self._token_factory()
-        hold.leases[reader] = until
-        self._due(until, (request_id, hold_id))
-        hold.tokens[reader] = token
-        hold.claim_ids[reader] = claim_id[:MAX_ID_LENGTH]
-        hold.state = HoldState.CLAIMED
-        return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=token)
+        lease = Lease(until, cap, self._token_factory(), claim_id[:MAX_ID_LENGTH])
+        hold.grant(reader, lease)
+        self._due_by(hold, until)
+        return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease.token)
 
     def renew(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str = "") -> ClaimReply:
         bad = self._bad_ids(request_id, hold_id, reader)
         if bad:
             return ClaimReply(ClaimStatus.REFUSED, reason=bad)
         hold = self._holds.get((request_id, hold_id))
-        if hold is None or reader not in hold.leases:
+        lease = hold.leases.get(reader) if hold is not None else None
+        if hold is None or lease is None:
             return ClaimReply(ClaimStatus.REFUSED, reason="no live claim to renew")
-        if not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
+        if not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
             self._refuse(request_id, "renew_refused", f"renewal for {reader} refused: wrong lease token")
             return ClaimReply(ClaimStatus.REFUSED, reason="lease token does not match the claim")
-        until = min(now + self.lease_timeout, hold.pin_deadline)
-        if hold.leases[reader] >= hold.pin_deadline or until <= now:
+        renewed = lease.extended(now, self.lease_timeout)
+        if lease.until >= lease.cap or renewed.until <= now:
             # Nothing left to extend: the reader stops now, before P frees the blocks at the deadline.
+            bound = (f"hold_timeout + lease_timeout = {self.hold_timeout + self.lease_timeout:g}s"
+                     if lease.cap >= hold.pin_deadline else f"the claim's deadline + clock_skew {self.clock_skew:g}s")
             self._refuse(request_id, "renew_past_deadline", f"renewal for {reader} refused: blocks pinned for "
-                         f"hold_timeout + lease_timeout = {self.hold_timeout + self.lease_timeout:g}s")
+                         f"{bound}")
             return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
-        if until == hold.pin_deadline:
+        if renewed.until == lease.cap:
             self.counters["lease_cut_to_deadline"] += 1
-        hold.leases[reader] = until
-        self._due(until, (request_id, hold_id))
-        return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease_token)
+        hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
+        return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
@@ -299,25 +376,19 @@ class ProducerLedger:
                 return not pulled
             self._remember_early(request_id, hold_id, reader, expected_readers, now)
             return not pulled  # P never held it for this reader: nothing it read can be confirmed
-        if reader in hold.leases and not secrets.compare_digest(lease_token.encode(), hold.tokens[reader].encode()):
+        lease = hold.leases.get(reader)
+        if lease is not None and not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
             self._refuse(request_id, "release_without_token", f"release by {reader} ignored: its lease is live "
                          "and the release does not carry its token")
             return False
         if not hold.knows(reader) and hold.num_readers >= MAX_TP_SIZE:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             return False
-        if reader in hold.leases:
-            held = hold.leases[reader] > now  # lapsed but not yet expired: blocks still there, but not promised
-            if held:
-                hold.confirmed.add(reader)
-        else:
-            held = reader in hold.confirmed or not pulled
         hold.expected_readers = max(hold.expected_readers, expected_readers)
-        hold.leases.pop(reader, None)
-        hold.released_by.add(reader)
+        held = hold.release_reader(reader, now, pulled)
         self._maybe_release(hold, "released by all readers")
         if not hold.state.final and not hold.leases:
-            self._due(hold.hold_deadline, (request_id, hold_id))  # its hold deadline may have passed under a lease
+            self._due_by(hold, hold.hold_deadline)  # its hold deadline may have passed under a lease
         if pulled and not held:
             self._event(request_id, f"release by {reader}: its lease had lapsed, the read is not confirmed")
         return held
@@ -327,13 +398,18 @@ class ProducerLedger:
     def expire(self, now: float) -> None:
         """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline. Costs
         what is due: holds whose deadlines have not come are not looked at."""
-        due: dict[_Key, None] = {}
+        due: list[_Hold] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            due[heapq.heappop(self._deadlines)[2]] = None
-        for key in due:
+            when, sequence, key = heapq.heappop(self._deadlines)
             hold = self._holds.get(key)
-            if hold is not None:
+            if hold is not None and hold.due == (when, sequence):  # its current entry, not a stale one
+                hold.due = None
+                due.append(hold)
+        for hold in due:
+            if hold.next_deadline() <= now:  # else renewed since it was filed: filed again below
                 self._expire_one(hold, now)
+            if not hold.state.final:
+                self._due_by(hold, hold.next_deadline())
         while self._early:  # ordered by expiry
             oldest = next(iter(self._early))
             if self._early[oldest].until > now:
@@ -341,20 +417,20 @@ class ProducerLedger:
             del self._early[oldest]
 
     def _expire_one(self, hold: _Hold, now: float) -> None:
-        if hold.pin_deadline <= now and any(t >= hold.pin_deadline for t in hold.leases.values()):
-            # Leases are granted only up to the hard deadline, so all have lapsed by now; say why.
+        # Leases are granted only up to the hard deadline, so at it all lapse; say why.
+        capped = hold.pin_deadline <= now and any(lease.until >= hold.pin_deadline for lease in hold.leases.values())
+        lapsed = hold.lapse(now)
+        if capped:
             self.counters["hold_capped"] += 1
-            hold.leases.clear()
             self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
                          f"{self.hold_timeout + self.lease_timeout:g}s, the most a hold may be", "hold_capped")
             return
-        lapsed = sorted(r for r, t in hold.leases.items() if t <= now)
-        for reader in lapsed:
-            del hold.leases[reader]
         if lapsed and not hold.leases:
             # The reader vanished mid-transfer (no release, no renewal): nobody can be reading any more.
-            why = (f"lease of {', '.join(lapsed)} lapsed after {self.lease_timeout:g}s (the decoder neither renewed "
-                   "nor released it: it died or was cut off mid-pull; lease_timeout, VLLM_KVP2P_LEASE_TIMEOUT)")
+            at_d_deadline = any(lease.until >= lease.cap for lease in lapsed.values())
+            why = (f"lease of {', '.join(lapsed)} lapsed " + ("at its claim's deadline + clock_skew (D had given up "
+                   "on the pull)" if at_d_deadline else f"after {self.lease_timeout:g}s (the decoder neither renewed "
+                   "nor released it: it died or was cut off mid-pull; lease_timeout, VLLM_KVP2P_LEASE_TIMEOUT)"))
             self.counters["lease_lapsed"] += 1
             self._finish(hold, HoldState.EXPIRED, why, "lease_lapsed")
             return
@@ -412,15 +488,30 @@ class ProducerLedger:
         return ""
 
     def _maybe_release(self, hold: _Hold, why: str) -> None:
-        if len(hold.released_by) >= hold.expected_readers and not hold.leases:
+        if hold.all_released:
             self._finish(hold, HoldState.RELEASED, why)
 
-    def _due(self, when: float, key: _Key) -> None:
-        heapq.heappush(self._deadlines, (when, next(self._sequence), key))
+    def _due_by(self, hold: _Hold, when: float) -> None:
+        """Make the hold's one heap entry come up no later than ``when``. A later deadline moves nothing: the entry
+        comes up early and :meth:`expire` files the hold again; an earlier one replaces it (the old one is stale)."""
+        if hold.due is not None and hold.due[0] <= when:
+            return
+        hold.due = (when, next(self._sequence))
+        heapq.heappush(self._deadlines, (*hold.due, hold.key))
+        self._drop_stale_entries()
+
+    def _drop_stale_entries(self) -> None:
+        # Rebuilt when stale entries outnumber current ones (+ STALE_SLACK): O(live holds), paid for by the at least
+        # as many messages that made entries stale, and the heap never exceeds 2 x live holds + STALE_SLACK.
+        if len(self._deadlines) > 2 * len(self._holds) + STALE_SLACK:
+            self._deadlines = [(*hold.due, key) for key, hold in self._holds.items() if hold.due is not None]
+            heapq.heapify(self._deadlines)
 
     def _finish(self, hold: _Hold, state: HoldState, why: str, reason: str = "") -> None:
-        key = (hold.request_id, hold.hold_id)
+        key = hold.key
         del self._holds[key]
+        hold.due = None  # its entry, if it has one, is stale now
+        self._drop_stale_entries()
         live = self._live_ids[hold.request_id]
         live.discard(hold.hold_id)
         if not live:

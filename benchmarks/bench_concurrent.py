@@ -68,7 +68,7 @@ class Consumer:
         from vllm_kvp2p.lifecycle.pull import LocalKV
         from vllm_kvp2p.pull_loop import PullLoop
         from vllm_kvp2p.transfer.engine import MooncakeEngine
-        from vllm_kvp2p.transfer.layout import kv_geometry
+        from vllm_kvp2p.transfer.layout import AttentionInterior, kv_geometry
 
         self.g = {**g, "num_blocks": d_blocks}
         self.tensors, self.keep, region, _ = bt._alloc_arena(self.g)
@@ -77,7 +77,8 @@ class Consumer:
         self.engine = MooncakeEngine(bt.HOST, "tcp", transfer_timeout=30)
         self.engine.register([region])
         layers = bt._views(self.tensors)
-        planes, shapes = kv_geometry(layers, d_blocks, g["block_size"], g["kv_heads"])
+        planes, shapes = kv_geometry(layers, d_blocks, g["block_size"], g["kv_heads"], head_size=g["head_dim"],
+                                     interior=AttentionInterior.HEAD_MAJOR_KV_HALVES)
         self.planes = planes
         local = LocalKV(tuple(planes), tuple(shapes), g["block_size"], tuple(n for n, _ in layers), "float16",
                         g["kv_heads"])

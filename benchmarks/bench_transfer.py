@@ -122,7 +122,7 @@ def p_main(conn, g: dict[str, int]) -> None:
     from vllm_kvp2p.protocol import RankRegistration
     from vllm_kvp2p.testing.server import free_port
     from vllm_kvp2p.transfer.engine import MooncakeEngine
-    from vllm_kvp2p.transfer.layout import coalesce_regions, kv_geometry
+    from vllm_kvp2p.transfer.layout import AttentionInterior, coalesce_regions, kv_geometry
 
     engine = holds = None
     try:
@@ -131,7 +131,8 @@ def p_main(conn, g: dict[str, int]) -> None:
         for t in tensors:
             t.view(torch.int16).random_(-32768, 32767, generator=gen)
         layers = _views(tensors)
-        planes, shapes = kv_geometry(layers, g["num_blocks"], g["block_size"], g["kv_heads"])
+        planes, shapes = kv_geometry(layers, g["num_blocks"], g["block_size"], g["kv_heads"], head_size=g["head_dim"],
+                                     interior=AttentionInterior.HEAD_MAJOR_KV_HALVES)
         regions = coalesce_regions([v for _, vs in layers for v in vs])
         engine = MooncakeEngine(HOST, "tcp", transfer_timeout=30)
         t0 = time.perf_counter()
@@ -333,7 +334,7 @@ class Puller:
     def __init__(self, g, engine, region, d_tensors, p_info, conn, rng: random.Random, sample: int) -> None:
         from vllm_kvp2p.lifecycle.pull import LocalKV
         from vllm_kvp2p.transfer.descriptors import PlaneGeometry
-        from vllm_kvp2p.transfer.layout import kv_geometry
+        from vllm_kvp2p.transfer.layout import AttentionInterior, kv_geometry
 
         self.g, self.engine, self.d, self.conn, self.rng, self.sample = g, engine, d_tensors, conn, rng, sample
         self.region = region
@@ -341,7 +342,8 @@ class Puller:
         self.segment = p_info["segment"]
         self.p_planes = [PlaneGeometry(*p) for p in p_info["planes"]]
         layers = _views(d_tensors)
-        planes, shapes = kv_geometry(layers, g["num_blocks"], g["block_size"], g["kv_heads"])
+        planes, shapes = kv_geometry(layers, g["num_blocks"], g["block_size"], g["kv_heads"], head_size=g["head_dim"],
+                                     interior=AttentionInterior.HEAD_MAJOR_KV_HALVES)
         self.d_planes = planes
         self.local = LocalKV(tuple(planes), tuple(shapes), g["block_size"], tuple(n for n, _ in layers), "float16",
                              g["kv_heads"])

@@ -25,7 +25,9 @@ from vllm_kvp2p.kv_groups import KVGroup, prompt_blocks, single_full_group
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
-PROTOCOL_VERSION = 3  # 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params
+# 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params; 4: block interiors with parts
+# (vLLM CPU's K and V halves), params bound to their prompt, claims with D's deadline
+PROTOCOL_VERSION = 4
 
 # Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone).
 MAX_TP_SIZE = 1024

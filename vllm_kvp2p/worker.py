@@ -158,7 +158,13 @@ class WorkerSide:
                 layer_planes = [p for i, v in enumerate(views) for p in planes_of(v, num_blocks, f"{name}[{i}]")]
                 layer_shapes = [BlockShape(False, 1, 1, p.block_bytes) for p in layer_planes]
             else:
-                layer_planes, layer_shapes = kv_geometry([(name, views)], num_blocks, group.block_size, local_heads)
+                layouts = self.platform.attention_part_layouts(
+                    model.dtype, group.block_size, model.get_head_size(), self.vllm_config.cache_config.cache_dtype
+                )
+                layer_planes, layer_shapes = kv_geometry(
+                    [(name, views)], num_blocks, group.block_size, local_heads, head_size=model.get_head_size(),
+                    interior=self.platform.attention_interior, part_layouts=layouts,
+                )
             planes += layer_planes
             shapes += layer_shapes
             plane_groups += [group_of_layer[name]] * len(layer_planes)

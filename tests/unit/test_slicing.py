@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry, build_descriptors
+from vllm_kvp2p.transfer.interior import ROWS, PartLayout, classify
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
 
 INNER = 4  # bytes per (head, token) cell
@@ -104,3 +105,85 @@ def test_errors() -> None:
         build_sliced_descriptors(d_planes, d_shapes, p_planes, p_shapes, token_chunks([30], 8, [4], 8, 0), 0, 0, 1)
     with pytest.raises(ValueError, match="remote_offset"):
         token_chunks([1], 8, [2], 8, 8)
+
+
+# ---------------------------------------------------------------- blocks of several parts per head (vLLM's CPU layout)
+
+ELEMENTS, ELEMENT_BYTES = 4, 2  # per part row: 4 elements of 2 bytes
+
+
+def part_offset(layout_spec: tuple[int, int, list[list[int]]], block: int, token: int, element: int) -> int:
+    group, tile, inside = layout_spec
+    return (element // group) * block * group + (token // tile) * tile * group + inside[token % tile][element % group]
+
+
+def layout_of(spec: tuple[int, int, list[list[int]]], block: int) -> PartLayout:
+    return classify([[part_offset(spec, block, t, e) for e in range(ELEMENTS)] for t in range(block)], ELEMENT_BYTES)
+
+
+@st.composite
+def part_specs(draw: st.DrawFn) -> tuple[int, int, list[list[int]]]:
+    group = draw(st.sampled_from([1, 2, ELEMENTS]))
+    tile = draw(st.sampled_from([1, 2]))
+    order = draw(st.permutations(range(group * tile)))
+    return group, tile, [list(order[t * group:(t + 1) * group]) for t in range(tile)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(k_spec=part_specs(), v_spec=part_specs(), p_bs_exp=st.integers(0, 2), d_bs_exp=st.integers(0, 2),
+       p_heads=st.sampled_from([1, 2, 4]), d_heads=st.sampled_from([1, 2, 4]), n_tokens=st.integers(1, 30),
+       first_token_blocks=st.integers(0, 2), data=st.data())
+def test_head_major_blocks_of_k_and_v_parts_land_element_by_element(k_spec, v_spec, p_bs_exp, d_bs_exp, p_heads,
+                                                                    d_heads, n_tokens, first_token_blocks,
+                                                                    data) -> None:
+    """[heads][K, V][tokens x elements] with any part layouts, P and D block sizes and heads differing: every
+    element of every pulled token and head lands where D's kernel would read it, and nothing else is written."""
+    specs = (k_spec, v_spec)
+    p_bs, d_bs = 4 << p_bs_exp, 4 << d_bs_exp
+    n_heads = min(p_heads, d_heads)
+    remote_head = data.draw(st.integers(0, p_heads - n_heads))
+    local_head = data.draw(st.integers(0, d_heads - n_heads))
+    row = ELEMENTS * ELEMENT_BYTES
+
+    def side(heads: int, bs: int, base: int) -> tuple[PlaneGeometry, BlockShape]:
+        shape = BlockShape(True, heads, bs, row, parts=2, layouts=tuple(layout_of(s, bs) for s in specs))
+        return PlaneGeometry(base, shape.block_bytes, shape.block_bytes, 32), shape
+
+    def addr(plane: PlaneGeometry, bs: int, block: int, head: int, part: int, token: int, element: int) -> int:
+        return (plane.base_addr + block * plane.block_stride + (head * 2 + part) * bs * row
+                + part_offset(specs[part], bs, token, element) * ELEMENT_BYTES)
+
+    (p_plane, p_shape), (d_plane, d_shape) = side(p_heads, p_bs, 1 << 20), side(d_heads, d_bs, 1 << 30)
+    first_token = first_token_blocks * d_bs
+    total = first_token + n_tokens
+    p_ids = data.draw(st.permutations(range(32)))[: -(-total // p_bs)]
+    d_ids = data.draw(st.permutations(range(32)))[: -(-n_tokens // d_bs)]
+    first, offset = divmod(first_token, p_bs)
+    chunks = token_chunks(d_ids, d_bs, p_ids[first:], p_bs, offset)
+    desc = build_sliced_descriptors([d_plane], [d_shape], [p_plane], [p_shape], chunks, local_head, remote_head,
+                                    n_heads)
+    remote_mem = {addr(p_plane, p_bs, b, h, part, t, e) + k: (b, h, part, t, e, k) for b in range(32)
+                  for h in range(p_heads) for part in (0, 1) for t in range(p_bs) for e in range(ELEMENTS)
+                  for k in range(ELEMENT_BYTES)}
+    local_mem: dict[int, tuple[int, ...]] = {}
+    apply(desc, local_mem, remote_mem)
+    for tok in range(n_tokens):
+        pos = first_token + tok
+        for h in range(n_heads):
+            for part in (0, 1):
+                for e in range(ELEMENTS):
+                    got = addr(d_plane, d_bs, d_ids[tok // d_bs], local_head + h, part, tok % d_bs, e)
+                    want = (p_ids[pos // p_bs], remote_head + h, part, pos % p_bs, e)
+                    assert local_mem[got][:5] == want and local_mem[got + 1][:5] == want
+    allowed = {addr(d_plane, d_bs, b, local_head + h, part, t, e) + k for b in d_ids for h in range(n_heads)
+               for part in (0, 1) for t in range(d_bs) for e in range(ELEMENTS) for k in range(ELEMENT_BYTES)}
+    assert set(local_mem) <= allowed
+
+
+def test_parts_laid_out_differently_on_each_side_are_refused() -> None:
+    columns = PartLayout(group=1, tile=1, element_bytes=2)
+    d = BlockShape(True, 1, 8, 8, parts=2, layouts=(columns, ROWS))
+    p = BlockShape(True, 1, 8, 8, parts=2, layouts=(ROWS, ROWS))
+    plane = PlaneGeometry(1 << 20, d.block_bytes, d.block_bytes, 4)
+    with pytest.raises(ValueError, match="local blocks are"):
+        build_sliced_descriptors([plane], [d], [plane], [p], token_chunks([1], 8, [2], 8, 0), 0, 0, 1)

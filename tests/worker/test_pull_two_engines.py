@@ -17,7 +17,7 @@ from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.transfer.engine import MooncakeEngine
-from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry
+from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry
 
 NUM_LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
 P_BLOCKS, D_BLOCKS = 40, 33  # ranks and instances may differ in block count
@@ -35,7 +35,8 @@ def _planes(kv: dict[str, torch.Tensor], num_blocks: int):
     layers = [
         (n, [TensorView(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())]) for n, t in kv.items()
     ]
-    planes, shapes = kv_geometry(layers, num_blocks, BLOCK, HEADS)
+    planes, shapes = kv_geometry(layers, num_blocks, BLOCK, HEADS, head_size=HEAD,
+                                 interior=AttentionInterior.HEAD_MAJOR_KV_HALVES)
     return planes, shapes, coalesce_regions([v for _, vs in layers for v in vs])
 
 

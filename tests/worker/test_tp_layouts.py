@@ -1,7 +1,13 @@
 """Worker level, every parallel layout: several P ranks and several D ranks in one process, each with its own real
-Mooncake engine (TCP on 127.0.0.1), hold service and pull loop; ranks hold different ``num_blocks``. After a pull,
-every byte of every pulled block on every D rank must equal what P holds for those tokens and heads, and every P
-rank must have freed the request once all the D ranks told to expect have released it."""
+Mooncake engine (TCP on 127.0.0.1), hold service and pull loop; ranks hold different ``num_blocks``.
+
+The KV tensors have the shape the installed vLLM allocates on CPU and hold what vLLM's CPU attention kernel writes
+(tests/support/vllm_cpu_kv.py: its own write op, ISA choice and view); each engine's block layout is what the CPU
+platform reads off that kernel at start-up, as a real worker does. The expectation is the kernel's too: after a
+pull, every pulled block on every D rank must equal, byte for byte, a block written by the kernel on D's side
+with the same tokens at the same positions (heads this rank holds), and blocks not asked for stay untouched;
+every P rank frees the request once all the D ranks told to expect have released it. MLA keeps its own layout
+(one latent row per token, vLLM's CPU MLA backend writes ``cache.view(-1, latent)[slot]``)."""
 
 from __future__ import annotations
 
@@ -14,33 +20,37 @@ import pytest
 import torch
 
 from tests.support.ports import free_port_run
+from tests.support.vllm_cpu_kv import kv_shape, write_tokens
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
+from vllm_kvp2p.platform.cpu import CpuPlatform
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.tp_mapping import Layout
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import TensorView, kv_geometry
 
-LAYERS, HEAD_DIM = 2, 8
+LAYERS, HEAD_DIM, MLA_LATENT = 2, 32, 48
 ARENA_BYTES = 8 << 20
+PLATFORM = CpuPlatform()
 
 
 @dataclass
 class Rank:
     engine: MooncakeEngine
-    arena: torch.Tensor  # registered once; each layout carves its KV tensors out of it
+    arena: torch.Tensor  # bytes, registered once; each layout carves its KV tensors out of it
 
-    def carve(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    def carve(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         out, offset = [], 0
+        size = torch.empty((), dtype=dtype).element_size()
         for shape in shapes:
-            n = 1
+            n = size
             for s in shape:
                 n *= s
-            out.append(self.arena[offset : offset + n].view(shape))
-            offset += n + 64  # a gap: tensors are separate planes
-        assert offset * 4 <= ARENA_BYTES
+            out.append(self.arena[offset : offset + n].view(dtype).view(shape))
+            offset += n + 256  # a gap: tensors are separate planes
+        assert offset <= ARENA_BYTES
         return out
 
 
@@ -50,7 +60,7 @@ def ranks() -> Iterator[tuple[list[Rank], list[Rank]]]:
     try:
         for _ in range(8):
             engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
-            arena = torch.zeros(ARENA_BYTES // 4, dtype=torch.float32)
+            arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
             engine.register([(arena.data_ptr(), ARENA_BYTES)])
             made.append(Rank(engine, arena))
         yield made[:4], made[4:]
@@ -64,58 +74,83 @@ def _views(tensors: list[torch.Tensor]) -> list[tuple[str, list[TensorView]]]:
             for i, t in enumerate(tensors)]
 
 
+def _geometry(tensors: list[torch.Tensor], num_blocks: int, block_size: int, heads: int, mla: bool, dtype):
+    layouts = () if mla else PLATFORM.attention_part_layouts(dtype, block_size, HEAD_DIM, "auto")
+    return kv_geometry(_views(tensors), num_blocks, block_size, heads, head_size=HEAD_DIM,
+                       interior=PLATFORM.attention_interior, part_layouts=layouts)
+
+
+class Truth:
+    """The K, V (or MLA latent) of every prompt position and global head, written through vLLM's kernel."""
+
+    def __init__(self, positions: int, heads: int, mla: bool, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.mla = mla
+        self.key = torch.randn(positions, heads, HEAD_DIM, generator=g)
+        self.value = torch.randn(positions, heads, HEAD_DIM, generator=g)
+        self.latent = torch.randn(positions, MLA_LATENT, generator=g)
+
+    def write(self, cache: torch.Tensor, block_ids: list[int], block_size: int, positions: range,
+              first_position: int, heads: range) -> None:
+        """Positions ``positions`` into ``cache``, whose block ``block_ids[i]`` holds positions from
+        ``first_position + i * block_size``."""
+        slots = [block_ids[(pos - first_position) // block_size] * block_size + (pos - first_position) % block_size
+                 for pos in positions]
+        rows = list(positions)
+        if self.mla:
+            cache.view(-1, MLA_LATENT)[slots] = self.latent[rows].to(cache.dtype)
+        else:
+            write_tokens(cache, slots, self.key[rows][:, heads.start:heads.stop],
+                         self.value[rows][:, heads.start:heads.stop])
+
+
 def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int, d_bs: int, n_tokens: int,
-               first_token: int = 0) -> None:
+               first_token: int = 0, dtype: torch.dtype = torch.float32) -> None:
     p_ranks, d_ranks = ranks
     p_layout, d_layout = Layout(p_tp, heads, mla), Layout(d_tp, heads, mla)
     engine_id, req = "P-" + uuid.uuid4().hex[:6], "req-" + uuid.uuid4().hex[:6]
-    g = torch.Generator().manual_seed(p_tp * 100 + d_tp)
-    inner = HEAD_DIM * (1 if mla else 2)  # MLA: one latent vector; else K and V packed (vLLM's CPU layout)
-    max_blocks = 64
-    # One "global" cache per layer: (blocks, heads, tokens, inner); every rank holds its heads of it, so replicas of a
-    # head are identical, as on a real TP engine.
-    truth = [torch.randn(max_blocks, heads, p_bs, inner, generator=g) for _ in range(LAYERS)]
+    total = first_token + n_tokens
+    p_ids = list(range(37, 37 - -(-total // p_bs), -1))  # descending: no run merging on P's side
+    truth = Truth(len(p_ids) * p_bs, heads, mla, seed=p_tp * 100 + d_tp)
 
     def shape(layout: Layout, nb: int, bs: int) -> tuple[int, ...]:
-        return (nb, bs, inner) if mla else (nb, layout.heads_per_rank, bs, inner)
+        return (nb, bs, MLA_LATENT) if mla else kv_shape(nb, bs, layout.heads_per_rank, HEAD_DIM, dtype)
 
     p_num_blocks = [40 + 3 * r for r in range(p_tp)]  # ranks of one engine differ in block count
-    holds, p_tensors = [], []
+    holds = []
     base_port = free_port_run(p_tp)  # P rank r listens on base_port + r
     for r in range(p_tp):
-        tensors = p_ranks[r].carve([shape(p_layout, p_num_blocks[r], p_bs)] * LAYERS)
-        for t, full in zip(tensors, truth):
-            hs = p_layout.heads_of(r)
-            src = full[: p_num_blocks[r], hs.start : hs.stop]
-            t.copy_(src[:, 0] if mla else src)
-        planes, shapes = kv_geometry(_views(tensors), p_num_blocks[r], p_bs, p_layout.heads_per_rank)
+        tensors = p_ranks[r].carve([shape(p_layout, p_num_blocks[r], p_bs)] * LAYERS, dtype)
+        for t in tensors:  # every position of every block P offers, as P's forward pass wrote them
+            t.zero_()
+            truth.write(t, p_ids, p_bs, range(len(p_ids) * p_bs), 0, p_layout.heads_of(r))
+        planes, shapes = _geometry(tensors, p_num_blocks[r], p_bs, p_layout.heads_per_rank, mla, dtype)
         reg = RankRegistration(engine_id, r, p_tp, p_ranks[r].engine.segment, planes, shapes,
-                               [f"layer.{i}" for i in range(LAYERS)], p_bs, p_num_blocks[r], "float32",
+                               [f"layer.{i}" for i in range(LAYERS)], p_bs, p_num_blocks[r], str(dtype)[6:],
                                p_layout.heads_per_rank, heads, HEAD_DIM, use_mla=mla)
         # D addresses P rank r at base_port + r, as P's worker r listens in a real engine.
         holds.append(HoldService(reg, "127.0.0.1", base_port + r, hold_timeout=30, lease_timeout=30))
-        p_tensors.append(tensors)
     try:
-        total = first_token + n_tokens
-        p_ids = list(range(37, 37 - -(-total // p_bs), -1))  # descending: no run merging on P's side
         for hs in holds:
             hs.hold(req, "hold-1")
         first, offset = divmod(first_token, p_bs)
         remote = RemotePrefill(engine_id, req, "127.0.0.1", base_port, [list(p_ids)], "hold-1", total, p_bs,
                                tp_size=p_tp)
-        loops, d_tensors, d_ids_of = [], [], []
+        loops, d_tensors, d_ids_of, ends = [], [], [], []
         for d in range(d_tp):
             nb = 30 + d
-            tensors = d_ranks[d].carve([shape(d_layout, nb, d_bs)] * LAYERS)
+            tensors = d_ranks[d].carve([shape(d_layout, nb, d_bs)] * LAYERS, dtype)
             for t in tensors:
-                t.fill_(-7.0)
-            planes, shapes = kv_geometry(_views(tensors), nb, d_bs, d_layout.heads_per_rank)
+                t.view(torch.uint8).fill_(0x5A)
+            planes, shapes = _geometry(tensors, nb, d_bs, d_layout.heads_per_rank, mla, dtype)
             local = LocalKV(tuple(planes), tuple(shapes), d_bs, tuple(f"layer.{i}" for i in range(LAYERS)),
-                            "float32", heads, mla)
+                            str(dtype)[6:], heads, mla)
             loop = PullLoop(d_ranks[d].engine, reader=f"D:{d}", tp_size=d_tp, tp_rank=d, local=local,
                             side_channel_timeout=3, claim_wait=2, max_batch_entries=64)
             d_ids = list(range(2, 2 + -(-n_tokens // d_bs)))
             remote_ids = tuple(p_ids[first:]) if p_bs != d_bs else tuple(p_ids[first : first + len(d_ids)])
+            # What the pull copies: D's blocks from token 0, P's from the offset, until either list ends.
+            ends.append(min(len(d_ids) * d_bs, len(remote_ids) * p_bs - offset))
             loop.submit(PullPlan(f"d{d}-{req}", remote, (tuple(d_ids),), (tuple(remote_ids),), True,
                                  remote_token_offset=offset))
             loops.append(loop)
@@ -130,20 +165,16 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
             result = results[0].result
             assert result.outcome is Outcome.PULLED, result.reason
             loop.close()
-        # every byte: D rank d, layer l, token pos, its local head j == P's data for that global head at pos
+        # every byte of every pulled block == the kernel's own write of those positions on D's side (both start
+        # from the same filler: the pull writes the pulled positions' bytes and nothing else)
         for d in range(d_tp):
-            d_heads = d_layout.heads_of(d)
             for layer, t in enumerate(d_tensors[d]):
-                for tok in range(n_tokens):
-                    pos = first_token + tok
-                    blk, off = d_ids_of[d][tok // d_bs], tok % d_bs
-                    for j, gh in enumerate(d_heads):
-                        want = truth[layer][p_ids[pos // p_bs], gh, pos % p_bs]
-                        got = t[blk, off] if mla else t[blk, j, off]
-                        assert torch.equal(got, want), (d, layer, tok, j)
-                # blocks D did not ask for are untouched
-                untouched = [b for b in range(30 + d) if b not in d_ids_of[d]]
-                assert bool((t[untouched] == -7.0).all())
+                want = torch.empty_like(t)
+                want.view(torch.uint8).fill_(0x5A)
+                truth.write(want, d_ids_of[d], d_bs, range(first_token, first_token + ends[d]), first_token,
+                            d_layout.heads_of(d))
+                assert first_token + ends[d] >= total
+                assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), (d, layer)
         deadline = time.monotonic() + 10
         freed = [set() for _ in holds]
         while time.monotonic() < deadline and not all(req in f for f in freed):
@@ -169,6 +200,16 @@ def test_mla_each_d_rank_reads_one_p_rank(ranks) -> None:
     run_layout(ranks, 4, 2, heads=1, mla=True, p_bs=16, d_bs=16, n_tokens=50)
 
 
-@pytest.mark.parametrize(("p_bs", "d_bs", "first_token"), [(16, 32, 32), (32, 16, 16), (8, 32, 0)])
-def test_block_size_mismatch(ranks, p_bs: int, d_bs: int, first_token: int) -> None:
-    run_layout(ranks, 2, 1, heads=4, mla=False, p_bs=p_bs, d_bs=d_bs, n_tokens=45, first_token=first_token)
+@pytest.mark.parametrize(("p_bs", "d_bs", "first_token", "dtype"), [
+    (16, 32, 32, torch.float32), (32, 16, 16, torch.float32), (32, 64, 0, torch.float32), (64, 32, 64, torch.float32),
+    (32, 64, 64, torch.bfloat16), (64, 32, 32, torch.bfloat16),
+], ids=["16-32-fp32", "32-16-fp32", "32-64-fp32", "64-32-fp32", "32-64-bf16", "64-32-bf16"])
+def test_block_size_mismatch(ranks, p_bs: int, d_bs: int, first_token: int, dtype: torch.dtype) -> None:
+    """P TP 2 -> D TP 1 between block sizes, in the layouts vLLM's CPU kernel writes for each dtype on this CPU
+    (float32: K element-major; bfloat16 with AMX: 16-token K tiles, V in groups of 16 elements)."""
+    run_layout(ranks, 2, 1, heads=4, mla=False, p_bs=p_bs, d_bs=d_bs, n_tokens=45, first_token=first_token,
+               dtype=dtype)
+
+
+def test_block_size_mismatch_at_tp_1(ranks) -> None:
+    run_layout(ranks, 1, 1, heads=2, mla=False, p_bs=64, d_bs=32, n_tokens=100, first_token=32)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from vllm_kvp2p.kv_groups import STATE, KVGroup
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
+from vllm_kvp2p.transfer.slicing import BlockShape
 
 if TYPE_CHECKING:
     from vllm_kvp2p.lifecycle.consumer import PullPlan
@@ -56,12 +57,21 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
     for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
         if p_sh.inner_bytes != d_sh.inner_bytes:
             return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
+        if _interior(p_sh) != _interior(d_sh):
+            return (f"plane {i}: block interior: P (block size {reg.block_size}) {p_sh.describe()}, D (block size "
+                    f"{local.block_size}) {d_sh.describe()}: the attention kernels lay out a block differently "
+                    "(another platform, ISA or dtype; on CPU the ISA also depends on the block size: use the same "
+                    "block size on both)")
     if any(g.kind == STATE for g in local.kv_groups()) and reg.tp_size != local.tp_size:
         return (f"tensor parallel size: P {reg.tp_size}, D {local.tp_size}; models with a linear-attention "
                 "state need the same on both")
     if reg.block_size % local.block_size and local.block_size % reg.block_size:
         return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
     return ""
+
+
+def _interior(shape: BlockShape) -> tuple[object, ...]:
+    return (shape.parts, *(shape.part_layout(i) for i in range(shape.parts)))
 
 
 def _kinds(groups: Sequence[KVGroup]) -> list[tuple[str, int]]:

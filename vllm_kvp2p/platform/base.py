@@ -6,6 +6,9 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
+from vllm_kvp2p.transfer.interior import PartLayout
+from vllm_kvp2p.transfer.layout import AttentionInterior
+
 
 class KVArenaLike(Protocol):
     """What the connector needs of a KV arena."""
@@ -23,6 +26,9 @@ class KVPlatform(ABC):
     name: str
     #: Mooncake transport used when the operator does not choose one.
     default_protocol: str
+    #: How this platform's attention backend lays out the inside of a KV block (not visible in the tensor's
+    #: shape; a wrong guess moves the right bytes to the wrong tokens whenever P and D block sizes differ).
+    attention_interior: AttentionInterior
 
     @abstractmethod
     def memory_location(self, tensor: Any) -> str:
@@ -31,6 +37,13 @@ class KVPlatform(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until device work that wrote KV blocks (or reads them) has finished."""
+
+    def attention_part_layouts(
+        self, dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str
+    ) -> tuple[PartLayout, ...]:
+        """How the attention kernel lays out each part (K, V) of a head's block for these settings (one entry per
+        part of :attr:`attention_interior`); empty: plain token rows."""
+        return ()
 
     #: Most memory regions one process may register (HCCL allows a few hundred); None: no limit known.
     max_registered_regions: int | None = None

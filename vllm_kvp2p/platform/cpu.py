@@ -8,14 +8,26 @@ from contextlib import contextmanager
 from typing import Any
 
 from vllm_kvp2p.platform.base import KVArenaLike, KVPlatform
+from vllm_kvp2p.transfer.interior import PartLayout
+from vllm_kvp2p.transfer.layout import AttentionInterior
 
 
 class CpuPlatform(KVPlatform):
     name = "cpu"
     default_protocol = "tcp"
+    # vLLM's CPU attention (cpu_attn.py, 0.23 to 0.32) allocates [blocks, heads, tokens, 2 x head] and reads it as
+    # [blocks, heads, 2 x tokens, head] split in two: per head all K rows, then all V rows.
+    attention_interior = AttentionInterior.HEAD_MAJOR_KV_HALVES
     # Cores are few and shared with the forward pass: vLLM's 1 s spin after each step message would keep every
     # worker and engine core spinning while transfers are pending (platform/worker_polling.py).
     default_worker_busy_poll = 0.002
+
+    def attention_part_layouts(
+        self, dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str
+    ) -> tuple[PartLayout, ...]:
+        from vllm_kvp2p.platform.cpu_interior import attention_part_layouts
+
+        return attention_part_layouts(dtype, block_size, head_size, kv_cache_dtype)
 
     def memory_location(self, tensor: Any) -> str:
         return "cpu"

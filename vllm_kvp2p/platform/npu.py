@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.platform.base import KVArenaLike, KVPlatform
+from vllm_kvp2p.transfer.layout import AttentionInterior
 
 logger = get_logger(__name__)
 
@@ -16,6 +17,9 @@ logger = get_logger(__name__)
 class NpuPlatform(KVPlatform):
     name = "npu"
     default_protocol = "ascend"
+    # vllm-ascend's NPUModelRunner._reshape_kv_cache_tensors views K and V as separate [blocks, tokens, heads,
+    # head] tensors (MLA: nope and rope, one head); tests/unit/test_vllm_ascend_release.py reads it there.
+    attention_interior = AttentionInterior.TOKEN_MAJOR
     # vllm-ascend hard-codes this HCCL per-process limit (MAX_HCCL_REGISTER_REGIONS).
     max_registered_regions = 256
 

@@ -8,16 +8,22 @@ dense, because one block of one plane is moved as one run of bytes.
 Examples (shapes): CPU ``(num_blocks, kv_heads, block_size, head_k + head_v)`` -> 1 plane per layer;
 CUDA flash-attn ``(2, num_blocks, block_size, kv_heads, head)`` -> 2 planes; NPU ``(k, v)`` tuples of
 ``(num_blocks, block_size, kv_heads, head)`` -> 2 planes.
+
+What lies *inside* a block is not in the shape: vLLM's CPU backend reads its ``[heads, tokens, 2 x head]`` block
+as ``[heads][K, V][tokens][head]``. The platform says which :class:`AttentionInterior` its backend uses
+(vllm_kvp2p/platform), and :func:`block_shape_of` refuses a tensor that does not fit it, at start-up.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 from math import prod
 
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.interior import PartLayout
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 
@@ -93,30 +99,47 @@ def coalesce_regions(views: Sequence[TensorView]) -> list[tuple[int, int]]:
     return [(s, e - s) for s, e in merged]
 
 
-def block_shape_of(view: TensorView, num_blocks: int, block_size: int, num_heads: int, name: str = "") -> BlockShape:
-    """The inside of one block of ``view``: which of (heads, tokens) comes first, and the bytes of one cell.
+class AttentionInterior(enum.Enum):
+    """How an attention backend lays out one block of one KV tensor (the platform declares it)."""
 
-    Accepts ``[..., num_blocks, heads, tokens, inner]`` (head-major, vLLM's CPU layout),
-    ``[..., num_blocks, tokens, heads, inner]`` (token-major, NPU/flash layouts) and
-    ``[..., num_blocks, tokens, inner]`` (one head: MLA latent caches)."""
+    #: ``[heads, tokens, 2 x head_size]`` read as ``[heads][K, V][tokens][head_size]``: vLLM's CPU backend
+    #: (cpu_attn.py, 0.23 and 0.32: ``kv_cache.view(blocks, heads, 2 * tokens, head).chunk(2, dim=2)``).
+    HEAD_MAJOR_KV_HALVES = "[heads][K, V][tokens][head_size] (vLLM CPU attention)"
+    #: ``[tokens, heads, head_size]``, K and V in separate tensors: vllm-ascend (and CUDA flash layouts).
+    TOKEN_MAJOR = "[tokens][heads][head_size], K and V in separate tensors (vllm-ascend)"
+
+
+def block_shape_of(
+    view: TensorView, num_blocks: int, block_size: int, num_heads: int, name: str = "", *, head_size: int,
+    interior: AttentionInterior, part_layouts: tuple[PartLayout, ...] = (),
+) -> BlockShape:
+    """The inside of one block of ``view`` as the platform's attention backend reads it.
+
+    ``[..., num_blocks, tokens, latent]`` (2-D: an MLA latent cache, one row per token) is the same on every
+    platform; a 3-D block must fit ``interior`` exactly, or :class:`LayoutError` names what was found.
+    ``part_layouts``: how the kernel lays out each part (K, V) of a head's block, as the platform found it
+    (empty: rows)."""
     block_dim = view.shape.index(num_blocks)
     inner = view.shape[block_dim + 1 :]
-    cell = view.element_size * (inner[-1] if inner else 1)
-    if len(inner) == 3:
-        a, b, _ = inner
-        if a == num_heads and b == block_size:
-            return BlockShape(True, num_heads, block_size, cell)
-        if a == block_size and b == num_heads:
-            return BlockShape(False, num_heads, block_size, cell)
+    parts = 2 if interior is AttentionInterior.HEAD_MAJOR_KV_HALVES else 1
+    if part_layouts and len(part_layouts) != parts:
+        raise LayoutError(f"{name}: {len(part_layouts)} part layouts for blocks of {parts} parts per head")
     if len(inner) == 2 and inner[0] == block_size:
-        return BlockShape(False, 1, block_size, cell)
+        return BlockShape(False, 1, block_size, view.element_size * inner[1])
+    if interior is AttentionInterior.HEAD_MAJOR_KV_HALVES and inner == (num_heads, block_size, 2 * head_size):
+        return BlockShape(True, num_heads, block_size, view.element_size * head_size, parts=2,
+                          layouts=part_layouts)
+    if interior is AttentionInterior.TOKEN_MAJOR and len(inner) == 3 and inner[:2] == (block_size, num_heads):
+        return BlockShape(False, num_heads, block_size, view.element_size * inner[2], layouts=part_layouts)
     raise LayoutError(
-        f"{name}: cannot find {num_heads} KV heads and {block_size} tokens per block in shape {view.shape}"
+        f"{name}: a block of shape {inner} (after num_blocks={num_blocks}) is not {interior.value} for "
+        f"{num_heads} KV heads of {head_size} values and {block_size} tokens per block"
     )
 
 
 def kv_geometry(
-    layers: Sequence[tuple[str, Sequence[TensorView]]], num_blocks: int, block_size: int, num_heads: int
+    layers: Sequence[tuple[str, Sequence[TensorView]]], num_blocks: int, block_size: int, num_heads: int, *,
+    head_size: int, interior: AttentionInterior, part_layouts: tuple[PartLayout, ...] = (),
 ) -> tuple[list[PlaneGeometry], list[BlockShape]]:
     """Planes of all layers (as :func:`planes_of_layers`) and the block shape of each plane."""
     planes: list[PlaneGeometry] = []
@@ -125,5 +148,7 @@ def kv_geometry(
         for i, view in enumerate(views):
             got = planes_of(view, num_blocks, f"{name}[{i}]")
             planes.extend(got)
-            shapes.extend([block_shape_of(view, num_blocks, block_size, num_heads, f"{name}[{i}]")] * len(got))
+            shape = block_shape_of(view, num_blocks, block_size, num_heads, f"{name}[{i}]", head_size=head_size,
+                                   interior=interior, part_layouts=part_layouts)
+            shapes.extend([shape] * len(got))
     return planes, shapes

@@ -232,7 +232,7 @@ class WorkerSide:
             self.hold_service = HoldService(
                 registration, bind_host, port,
                 hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
-                on_release=self._step_news.notify,
+                clock_skew=config.clock_skew, on_release=self._step_news.notify,
             )
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "

@@ -18,6 +18,10 @@ from typing import Any
 ENV_PREFIX = "VLLM_KVP2P_"
 #: A Mooncake read that failed within this many seconds is retried once (vllm_kvp2p/pull_loop.py).
 READ_RETRY_WITHIN = 1.0
+#: How long a pull waits for its P's read slot before it looks at its leases again (vllm_kvp2p/pull_loop.py).
+READ_SLOT_WAIT_S = 0.5
+#: Time allowed for a renewal to reach P (its first attempt gets 0.5 s, then it is resent: vllm_kvp2p/side_channel.py).
+RENEWAL_REACHES_P_S = 1.0
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
 PLATFORMS = ("auto", "cpu", "npu")
@@ -251,14 +255,23 @@ class KVP2PConfig:
                 f"max_batch_entries={self.max_batch_entries}: allowed values are 1..1024 "
                 "(Mooncake's TCP transport rejects more than ~2048 entries in flight per peer)"
             )
-        longest_read = self.transfer_timeout + READ_RETRY_WITHIN
-        if self.lease_timeout <= 1.5 * longest_read:
+        # What can make a lease lapse while its pull goes on: a pull renews every lease it holds a third of the way
+        # through, between two actions (so pull_timeout, however long, is no bound on it), so the longest single
+        # action plus the renewal after it must fit in the other two thirds.
+        longest_read = READ_SLOT_WAIT_S + self.transfer_timeout + READ_RETRY_WITHIN
+        longest_action = max(longest_read, self.side_channel_timeout)
+        needed = 1.5 * (longest_action + RENEWAL_REACHES_P_S)
+        if self.lease_timeout <= needed:
             raise ConfigError(
-                f"lease_timeout={self.lease_timeout:g} with transfer_timeout={self.transfer_timeout:g}: the lease must "
-                f"exceed 1.5 x (transfer_timeout + {READ_RETRY_WITHIN:g} s) = {1.5 * longest_read:g} s. D renews it "
-                "every third of it, between reads, and one read (with its retry after an immediate failure) may "
-                "take transfer_timeout + 1 s: a read must never outlive its lease (P would free the blocks under "
-                "it). Raise lease_timeout (VLLM_KVP2P_LEASE_TIMEOUT) or lower transfer_timeout"
+                f"lease_timeout={self.lease_timeout:g} with transfer_timeout={self.transfer_timeout:g} and "
+                f"side_channel_timeout={self.side_channel_timeout:g}: the lease must exceed 1.5 x (the longest "
+                f"action of a pull + {RENEWAL_REACHES_P_S:g} s) = {needed:g} s. D renews each lease a third of the "
+                f"way through, between actions; the longest, {longest_action:g} s, is a Mooncake read "
+                f"(transfer_timeout, + {READ_RETRY_WITHIN:g} s for its retry after an immediate failure, + "
+                f"{READ_SLOT_WAIT_S:g} s waiting for the read slot) or a side-channel call (side_channel_timeout), "
+                f"and the renewal after it may take {RENEWAL_REACHES_P_S:g} s to reach P. A lease that lapses during "
+                "a read lets P free the blocks under it (the pull fails as lease_lost). Raise lease_timeout "
+                "(VLLM_KVP2P_LEASE_TIMEOUT) or lower transfer_timeout / side_channel_timeout"
             )
         if self.pull_timeout < self.side_channel_timeout:
             raise ConfigError(f"pull_timeout={self.pull_timeout}: allowed values are >= side_channel_timeout "

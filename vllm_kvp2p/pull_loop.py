@@ -20,9 +20,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.config import READ_RETRY_WITHIN
+from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
@@ -38,39 +39,28 @@ from vllm_kvp2p.lifecycle.pull import (
     Source,
     Wait,
 )
+from vllm_kvp2p.lifecycle.pull_actions import FAILURE_HINTS
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
+    MAX_TP_SIZE,
     ClaimReply,
     GetRegistration,
     RankRegistration,
     Registration,
-    Release,
     Released,
+    Reply,
     Request,
 )
 from vllm_kvp2p.pull_lanes import MAX_PEERS, Lane, LaneTable
-from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError
+from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
 logger = get_logger(__name__)
 
+R = TypeVar("R", bound=Reply)  # one of the reply types
 #: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
 SLOW_ACTION_S = 1.0
-#: What an operator may change for each kind of failure (the WARNING of a failed pull ends with it).
-FAILURE_HINTS: dict[Failure, str] = {
-    Failure.INVALID_PARAMS: "the client sent D params no P issued, or peer_ports excludes P's ports",
-    Failure.UNAUTHENTICATED: "VLLM_KVP2P_SECRET must be the same on P and D, their clocks within clock_skew",
-    Failure.INCOMPATIBLE: "P and D must serve the same model with the same KV layout and package version",
-    Failure.UNREACHABLE: "P down, or its advertised address (host / VLLM_HOST_IP) unreachable from D; "
-                         "side_channel_timeout bounds the wait",
-    Failure.REFUSED: "P no longer holds the blocks: hold_timeout on P shorter than D's queueing",
-    Failure.TIMEOUT: "pull_timeout bounds a whole pull",
-    Failure.READ_FAILED: "a Mooncake read failed: transfer_timeout, protocol, device_name",
-    Failure.LEASE_LOST: "the read outlived the lease: lease_timeout on P vs transfer_timeout on D",
-}
-#: How long a pull waits for its P's read slot before it looks at its lease again (renewal) and waits more.
-READ_SLOT_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -201,12 +191,14 @@ class PullLoop:
                         if self.on_result is not None:
                             self.on_result()
 
+                job: ConsumerPull | None = None
                 try:
-                    publish(self._handle_request(plan, client, publish))
+                    plan, sources, job = self._start(plan, client)
+                    publish(self._drive(plan, sources, job, client, publish))
                 except Exception as exc:  # never lose a plan: vLLM would wait for it forever
                     logger.exception("pull of %s crashed", plan.request_id)
                     publish(_crash_result(plan, exc))
-                    self._release_after_crash(plan, client)
+                    self._release_after_crash(plan, job, client, exc)
                 finally:
                     self.lanes.done(lane)
         finally:
@@ -214,26 +206,33 @@ class PullLoop:
                 self._clients.remove(client)
             client.close()
 
-    def _handle_request(
-        self, plan: PullPlan, client: SideChannelClient, publish: Callable[[PullResult], None]
-    ) -> PullResult:
-        """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
-        must be told (only when it is waiting for the receive). A failure is published at once, before the
-        releases (they cannot change it); a success only once P confirmed it at release."""
+    def _start(self, plan: PullPlan, client: SideChannelClient) -> tuple[PullPlan, tuple[Source, ...], ConsumerPull]:
+        """The plan (failed already when the layouts cannot pair, or its P is suspect and silent), the P ranks it
+        involves and its pull state machine."""
         try:
             sources = self.sources_for(plan.remote.tp_size) if plan.contact_p else ()
         except UnsupportedLayout as exc:
             plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}", failure=Failure.INCOMPATIBLE)
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
-        instance = (plan.remote.remote_host, plan.remote.remote_port)
         if sources and not plan.error:
-            plan = self._check_suspect(plan, instance, sources[0], client)
-        job = ConsumerPull(
+            plan = self._check_suspect(plan, (plan.remote.remote_host, plan.remote.remote_port), sources[0], client)
+        return plan, sources, self._new_pull(plan, sources)
+
+    def _new_pull(self, plan: PullPlan, sources: tuple[Source, ...]) -> ConsumerPull:
+        return ConsumerPull(
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
             timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
+            wall_now_ms=time.time_ns() // 1_000_000,
         )
+
+    def _drive(self, plan: PullPlan, sources: tuple[Source, ...], job: ConsumerPull, client: SideChannelClient,
+               publish: Callable[[PullResult], None]) -> PullResult:
+        """One plan, start to finish. Whatever happens, P is sent a release and the result says whether vLLM
+        must be told (only when it is waiting for the receive). A failure is published at once, before the
+        releases (they cannot change it); a success only once P confirmed it at release."""
         host, base_port = plan.remote.remote_host, plan.remote.remote_port
+        instance = (host, base_port)
         debug = logger.isEnabledFor(logging.DEBUG)
         failure_out = False  # a failure is published (and its P noted) once, at once, before the releases
         for _ in range(1_000_000):  # bounded: every action makes progress or waits <= 50 ms until the deadline
@@ -285,21 +284,26 @@ class PullLoop:
                 if action.join_claim:  # a new P: its registration comes with the claim's reply
                     job.with_claim(action.source)
                     return
-            reg, err = (cached, "") if cached is not None else self._fetch_registration(client, job, endpoint,
-                                                                                          action.source)
-            if job.on_registration(action.source, reg, err) and reg is not None:
+            reg, err, unauthenticated = cached, "", False
+            if cached is None:
+                fetched, err, unauthenticated = self._ask(client, *endpoint, GetRegistration(action.source.p_rank), job,
+                                                          Registration)
+                reg = fetched.registration if fetched is not None else None
+            if job.on_registration(action.source, reg, err, unauthenticated=unauthenticated) and reg is not None:
                 _put_recent(self._registrations, endpoint, reg)
             elif cached is not None:  # these params do not fit it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
             endpoint = (host, base_port + action.source.p_rank)
-            reply, err = self._ask(client, host, endpoint[1], action.message, job)
-            if job.on_claim_reply(action.source, reply, time.monotonic(), err) and reply is not None:
+            reply, err, unauthenticated = self._ask(client, *endpoint, action.message, job, ClaimReply)
+            if (job.on_claim_reply(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
+                    and reply is not None):
                 assert reply.registration is not None
                 _put_recent(self._registrations, endpoint, reply.registration)
         elif isinstance(action, SendRenew):
-            reply, err = self._ask(client, host, base_port + action.source.p_rank, action.message, job)
-            job.on_renewed(action.source, reply, time.monotonic(), err)
+            reply, err, unauthenticated = self._ask(client, host, base_port + action.source.p_rank, action.message,
+                                                    job, ClaimReply)
+            job.on_renewed(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
         elif isinstance(action, ReadBatch):
             slot = self.lanes.read_slot((host, base_port))
             if not slot.acquire(timeout=min(READ_SLOT_WAIT_S, job.time_left(time.monotonic()))):
@@ -329,14 +333,14 @@ class PullLoop:
                 # timeout frees the blocks if this one is lost too.
                 budget = min(budget, PROBE_TIMEOUT_S)
             try:
-                reply = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget)
+                answer = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget)
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
                 logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "
                                "hold_timeout frees the blocks", plan.request_id, action.source.p_rank, exc)
                 job.on_release_failed(action.source)
                 return
-            job.on_release_sent(action.source, isinstance(reply, Released) and reply.lease_held)
+            job.on_release_sent(action.source, isinstance(answer, Released) and answer.lease_held)
 
     def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
         """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""
@@ -349,28 +353,21 @@ class PullLoop:
             for q in mapping.p_ranks
         )
 
-    def _release_after_crash(self, plan: PullPlan, client: SideChannelClient) -> None:
-        if not plan.contact_p:
-            return
-        r = plan.remote
+    def _release_after_crash(self, plan: PullPlan, job: ConsumerPull | None, client: SideChannelClient,
+                             exc: Exception) -> None:
+        """The releases a crashed pull still owes, as its state machine gives them: each lease with its token (P
+        ignores a live lease's release without it and keeps the blocks until the lease lapses)."""
         try:
-            for source in self.sources_for(r.tp_size):
-                client.request(r.remote_host, r.remote_port + source.p_rank,
-                               Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers))
-        except Exception as exc:  # P's hold timeout frees the blocks in the end
-            logger.warning("release of %s after a crash not delivered: %s", plan.request_id, exc)
-
-    @staticmethod
-    def _fetch_registration(
-        client: SideChannelClient, job: ConsumerPull, endpoint: tuple[str, int], source: Source
-    ) -> tuple[RankRegistration | None, str]:
-        try:
-            reply = client.request(*endpoint, GetRegistration(source.p_rank), timeout=job.time_left(time.monotonic()))
-        except SideChannelError as exc:
-            return None, str(exc)
-        if not isinstance(reply, Registration):
-            return None, f"unexpected reply {type(reply).__name__}"
-        return reply.registration, ""
+            if job is None:  # it crashed before its pull began: no lease is held, the P ranks are only notified
+                job = self._new_pull(plan, self.sources_for(plan.remote.tp_size) if plan.contact_p else ())
+            job.on_crash(f"internal error: {exc}")
+            for _ in range(MAX_TP_SIZE + 1):  # a release each at most, then Finish
+                action = job.next_action(time.monotonic())
+                if not isinstance(action, SendRelease):
+                    return
+                self._perform(plan, job, action, client, plan.remote.remote_host, plan.remote.remote_port)
+        except Exception as again:  # P's lease or hold timeout frees the blocks in the end
+            logger.warning("release of %s after a crash not delivered: %s", plan.request_id, again)
 
     def _check_suspect(
         self, plan: PullPlan, instance: tuple[str, int], source: Source, client: SideChannelClient
@@ -386,6 +383,8 @@ class PullLoop:
         host, base_port = instance
         try:
             client.request(host, base_port + source.p_rank, GetRegistration(source.p_rank), timeout=PROBE_TIMEOUT_S)
+        except Unauthenticated:
+            pass  # it answered: up (the pull says why it refused)
         except SideChannelError as exc:
             return dataclasses.replace(
                 plan, failure=Failure.UNREACHABLE, contact_p=False,
@@ -407,15 +406,17 @@ class PullLoop:
 
     @staticmethod
     def _ask(
-        client: SideChannelClient, host: str, port: int, message: Request, job: ConsumerPull
-    ) -> tuple[ClaimReply | None, str]:
+        client: SideChannelClient, host: str, port: int, message: Request, job: ConsumerPull, expected: type[R]
+    ) -> tuple[R | None, str, bool]:
+        """P's reply, of the ``expected`` type; or None, why not, and whether P answered but the exchange failed
+        authentication (P is up then)."""
         try:
             reply = client.request(host, port, message, timeout=job.time_left(time.monotonic()))
         except SideChannelError as exc:
-            return None, str(exc)
-        if not isinstance(reply, ClaimReply):
-            return None, f"unexpected reply {type(reply).__name__}"
-        return reply, ""
+            return None, str(exc), isinstance(exc, Unauthenticated)
+        if not isinstance(reply, expected):
+            return None, f"unexpected reply {type(reply).__name__}", False
+        return reply, "", False
 
     def _finished(self, plan: PullPlan, result: PullResult) -> None:
         if result.reason:

@@ -4,7 +4,9 @@ Only bytes move here; :mod:`vllm_kvp2p.protocol` defines what they mean and the 
 answer. Every call is bounded by a timeout, and a socket that timed out is thrown away (a REQ socket that missed
 a reply cannot be reused). With a shared secret (:class:`~vllm_kvp2p.auth.Authenticator`) every frame both ways
 is sealed; a request that fails to open reaches no handler (no registration, claim, release or table entry), is
-answered with a plain error and counted in :attr:`SideChannelServer.dropped`.
+answered with a plain error (:data:`UNAUTHENTICATED_REQUEST`) and counted in :attr:`SideChannelServer.dropped`.
+A client that gets that error, or a reply that fails to open, raises :class:`Unauthenticated`: the peer is up,
+only the secrets (or the clocks) do not agree.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ class SideChannelError(RuntimeError):
 
 class PeerRefused(SideChannelError):
     """Nothing listens at the peer's address (connection refused): the process is gone, not slow."""
+
+
+class Unauthenticated(SideChannelError):
+    """The peer answered, but the shared-secret authentication failed: it refused this request's (the secret
+    differs, this client has none, or the clocks differ by more than clock_skew), or its reply failed to open
+    here (it has no secret or another one, or the clocks differ). The peer is up: retrying cannot help."""
+
+
+#: How a server's plain error reply to a request that failed authentication begins (clients recognise it).
+UNAUTHENTICATED_REQUEST = "unauthenticated request"
 
 
 #: How long the plain TCP probe that tells a dead peer from a slow one may take.
@@ -135,7 +147,7 @@ class SideChannelServer:
                 if count in (1, 10, 100, 1000) or count % 10000 == 0:  # a flood must not flood the log
                     logger.warning("side channel %s dropped %d unauthenticated request(s), latest: %s (peers need "
                                    "the same VLLM_KVP2P_SECRET and clocks within clock_skew)", self.address, count, exc)
-                return protocol.encode(ErrorReply(f"unauthenticated request: {exc}"))
+                return protocol.encode(ErrorReply(f"{UNAUTHENTICATED_REQUEST}: {exc}"))
         try:
             message = protocol.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -237,13 +249,23 @@ class SideChannelClient:
                 data = self._auth.open_reply(data, nonce, _now_ms())
             except AuthError as exc:
                 self._drop(endpoint)
-                raise SideChannelError(f"unauthenticated reply from {endpoint}: {exc}{_plain_error(data)}") from exc
+                said = _plain_error(data)
+                if said.startswith(UNAUTHENTICATED_REQUEST):
+                    raise Unauthenticated(f"{endpoint} refused this request's authentication ({said}): the "
+                                          "shared secret differs between P and D, or their clocks by more than "
+                                          "clock_skew") from exc
+                raise Unauthenticated(f"the reply from {endpoint} failed authentication here ({exc}"
+                                      f"{'; it says: ' + said if said else ''}): P has no shared secret or another "
+                                      "one, or the clocks differ by more than clock_skew") from exc
         try:
             reply = protocol.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(endpoint)
             raise SideChannelError(f"undecodable reply from {endpoint}: {exc}") from exc
         if isinstance(reply, ErrorReply):
+            if reply.message.startswith(UNAUTHENTICATED_REQUEST):
+                raise Unauthenticated(f"{endpoint} requires the shared secret and this client has none "
+                                      f"({reply.message[:200]}): set the same VLLM_KVP2P_SECRET on every P and D")
             raise SideChannelError(f"{endpoint} answered with an error: {reply.message[:500]}")
         return reply
 
@@ -259,9 +281,9 @@ class SideChannelClient:
 
 
 def _plain_error(data: bytes) -> str:
-    """What an unsealed error reply says (a P without the secret, or one that refused ours), for the log only."""
+    """What an unsealed error reply says (a P without the secret, or one that refused ours), else ""."""
     try:
         reply = protocol.decode_reply(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return ""
-    return f" (it says: {reply.message[:200]})" if isinstance(reply, ErrorReply) else ""
+    return reply.message[:200] if isinstance(reply, ErrorReply) else ""

@@ -89,15 +89,48 @@ def test_detection_is_vllms_get_ip_which_honours_vllm_host_ip(monkeypatch: pytes
     assert KVP2PConfig.from_sources({}, env={}).advertised_host(compat.node_ip) == "10.9.8.7"
 
 
-def test_the_lease_must_outlast_the_longest_read() -> None:
-    """A read that outlives its lease can read blocks P has freed: refused at start-up, naming both settings."""
+def test_the_lease_must_outlast_the_longest_action_and_the_renewal_after_it() -> None:
+    """A read that outlives its lease can read blocks P has freed: refused at start-up, naming the settings."""
     with pytest.raises(ConfigError) as info:
-        KVP2PConfig.from_sources({"lease_timeout": 40, "transfer_timeout": 30}, {})
+        KVP2PConfig.from_sources({"lease_timeout": 48, "transfer_timeout": 30}, {})
     message = str(info.value)
-    assert "lease_timeout=40 with transfer_timeout=30" in message and "46.5 s" in message
-    assert "VLLM_KVP2P_LEASE_TIMEOUT" in message
-    assert KVP2PConfig.from_sources({"lease_timeout": 47, "transfer_timeout": 30}, {}).lease_timeout == 47
-    assert KVP2PConfig().lease_timeout > 1.5 * (KVP2PConfig().transfer_timeout + 1)  # the defaults pass
+    assert "lease_timeout=48 with transfer_timeout=30 and side_channel_timeout=5" in message
+    assert "48.75 s" in message and "VLLM_KVP2P_LEASE_TIMEOUT" in message  # 1.5 x (0.5 + 30 + 1 + 1)
+    assert KVP2PConfig.from_sources({"lease_timeout": 49, "transfer_timeout": 30}, {}).lease_timeout == 49
+    # A side-channel call longer than any read is the longest action then.
+    with pytest.raises(ConfigError, match=r"lease_timeout=40 with transfer_timeout=5 and side_channel_timeout=30"):
+        KVP2PConfig.from_sources({"lease_timeout": 40, "transfer_timeout": 5, "side_channel_timeout": 30}, {})
+    assert KVP2PConfig.from_sources({"lease_timeout": 47, "transfer_timeout": 5, "side_channel_timeout": 30},
+                                    {}).lease_timeout == 47  # > 1.5 x (30 + 1)
+    # What was valid stays valid: the defaults, and the short timers of the soak and the two-host tests.
+    assert KVP2PConfig().lease_timeout == 60 and KVP2PConfig.from_sources({}, {}).lease_timeout == 60
+    assert KVP2PConfig.from_sources({"lease_timeout": 20, "transfer_timeout": 10, "hold_timeout": 20}, {})
+
+
+@pytest.mark.parametrize("transfer_timeout", [5.0, 10.0, 30.0])
+def test_a_lease_the_check_refuses_does_lapse_under_the_longest_read(transfer_timeout: float) -> None:
+    """The check's pair: on a simulated clock against P's real ledger, the worst case (the longest read starts just
+    before a renewal is due; the renewal then takes RENEWAL_REACHES_P_S to reach P). A lease just short of the
+    check's bound lapses (P frees the blocks mid-pull); one just above it holds through the pull."""
+    from tests.unit.test_consumer_lifecycle import held_ledgers, run_against_p, tp2_pull
+    from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S, RENEWAL_REACHES_P_S
+    from vllm_kvp2p.lifecycle.pull import Outcome
+
+    longest_read = READ_SLOT_WAIT_S + transfer_timeout + READ_RETRY_WITHIN
+    bound = 1.5 * (longest_read + RENEWAL_REACHES_P_S)
+    for lease, valid in ((bound - 0.05, False), (bound + 0.05, True)):
+        settings = {"lease_timeout": lease, "transfer_timeout": transfer_timeout}
+        if valid:
+            KVP2PConfig.from_sources(settings, {})
+        else:
+            with pytest.raises(ConfigError):
+                KVP2PConfig.from_sources(settings, {})
+        ledgers = held_ledgers(lease)
+        result = run_against_p(tp2_pull(max_batch_entries=1), ledgers,
+                               read_seconds={0: longest_read, 1: longest_read}, read_from=lease / 3 - 0.001,
+                               renew_reaches_p=RENEWAL_REACHES_P_S)
+        assert (result.outcome is Outcome.PULLED) is valid, result.reason
+        assert ledgers[0].counters["lease_lapsed"] == (0 if valid else 1)
 
 
 def test_a_rank_port_inside_mooncakes_range_is_refused_naming_the_setting() -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
+from vllm_kvp2p.lifecycle.producer import HoldState, ProducerLedger
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
     Finish,
     LocalKV,
     Outcome,
+    PullResult,
     ReadBatch,
     SendClaim,
     SendRelease,
@@ -19,7 +22,7 @@ from vllm_kvp2p.lifecycle.pull import (
     Wait,
 )
 from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
-from vllm_kvp2p.tp_mapping import HeadSlice
+from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -395,3 +398,292 @@ def test_a_claim_reply_whose_registration_has_the_wrong_type_does_not_decode(reg
                                   "registration": registration_value})
     with pytest.raises(msgspec.ValidationError):  # the side channel reports it as a bad reply: the claim fails
         decode_reply(raw)
+
+
+# ----------------------------------------------------------------------------- several P ranks, against P's ledger
+
+P_SHAPE = BlockShape(True, 1, BS, 16)  # a P rank at TP 2 holds one of the 2 heads
+
+
+def tp2_registration(rank: int) -> RankRegistration:
+    return RankRegistration("P", rank, 2, "127.0.0.1:15000",
+                            [PlaneGeometry((1 << 30) + rank * (1 << 28) + i * 1_000_000, 256, 256, 100)
+                             for i in range(2)], [P_SHAPE] * 2, ["l0", "l1"], BS, 100, "float32", 1, 2, 8)
+
+
+def tp2_sources() -> list[Source]:
+    """D at TP 1 reading P at TP 2: one head from each P rank."""
+    mapping = rank_plan(Layout(2, 2), Layout(1, 2), 0)
+    return [Source(q, mapping.expected_readers[q], tuple(s for s in mapping.reads if s.p_rank == q))
+            for q in mapping.p_ranks]
+
+
+def tp2_pull(*, max_batch_entries: int = 1024, **kw: object) -> ConsumerPull:
+    remote = RemotePrefill.from_params({**params(), "tp_size": 2})
+    plan = PullPlan("d1", remote, ((3, 4, 9),), ((10, 11, 12),), awaiting=True)
+    return ConsumerPull(plan, tp2_sources(), "d:0", LOCAL, claim_wait=60.0, max_batch_entries=max_batch_entries,
+                        now=0.0, **kw)
+
+
+def claim_and_read_rank_0(job: ConsumerPull, lease: float = 3.0, token: str = "t0") -> None:
+    """Rank 0 claimed at t=0 (renewal due at lease/3) and all read by t=0.1."""
+    rank0 = tp2_sources()[0]
+    assert isinstance(job.next_action(0.0), FetchRegistration)
+    assert job.on_registration(rank0, tp2_registration(0))
+    assert isinstance(job.next_action(0.0), SendClaim)
+    job.on_claim_reply(rank0, ClaimReply(ClaimStatus.GRANTED, lease=lease, lease_token=token), now=0.0)
+    while isinstance(action := job.next_action(0.1), ReadBatch) and action.source == rank0:
+        job.on_batch_done(rank0, True)
+
+
+def test_the_lease_of_a_rank_already_read_is_renewed_while_a_slow_rank_is_worked_on() -> None:
+    """Before, only the rank being read was renewed: rank 0's lease lapsed while rank 1 was slow, and its release
+    came back lease_lost (a good read thrown away)."""
+    job = tp2_pull()
+    rank0, rank1 = tp2_sources()
+    claim_and_read_rank_0(job)
+    fetch = job.next_action(0.1)
+    assert isinstance(fetch, FetchRegistration) and fetch.source == rank1
+    assert job.on_registration(rank1, tp2_registration(1))
+    assert isinstance(job.next_action(0.2), SendClaim)
+    job.on_claim_reply(rank1, ClaimReply(ClaimStatus.UNKNOWN), now=0.2)  # P's rank 1 has not heard of the hold
+    wait = job.next_action(0.2)
+    assert isinstance(wait, Wait)
+    renew = job.next_action(1.5)  # past rank 0's lease / 3, while rank 1 is still being claimed
+    assert isinstance(renew, SendRenew) and renew.source == rank0 and renew.message.lease_token == "t0"
+    job.on_renewed(rank0, ClaimReply(ClaimStatus.GRANTED, lease=3.0, lease_token="t0"), now=1.5)  # next at 2.5
+    claim = job.next_action(1.5)
+    assert isinstance(claim, SendClaim) and claim.source == rank1
+    job.on_claim_reply(rank1, ClaimReply(ClaimStatus.GRANTED, lease=30.0, lease_token="t1"), now=1.5)
+    read = job.next_action(2.0)
+    assert isinstance(read, ReadBatch) and read.source == rank1
+    renew = job.next_action(2.6)  # and while rank 1 is read
+    assert isinstance(renew, SendRenew) and renew.source == rank0
+    job.on_renewed(rank0, ClaimReply(ClaimStatus.GRANTED, lease=3.0, lease_token="t0"), now=2.6)
+    job.on_batch_done(rank1, True)
+    releases = [job.next_action(2.7)]
+    job.on_release_sent(rank0)
+    releases.append(job.next_action(2.7))
+    job.on_release_sent(rank1)
+    assert [(r.source.p_rank, r.message.lease_token, r.message.pulled) for r in releases] == [
+        (0, "t0", True), (1, "t1", True)]
+    assert job.next_action(2.7).result.outcome is Outcome.PULLED
+
+
+def test_a_wait_for_a_claim_ends_when_another_lease_is_due() -> None:
+    job = tp2_pull()
+    rank0, rank1 = tp2_sources()
+    claim_and_read_rank_0(job, lease=3.0)
+    job.next_action(0.1)
+    job.on_registration(rank1, tp2_registration(1))
+    job.next_action(0.1)
+    job.on_claim_reply(rank1, ClaimReply(ClaimStatus.UNKNOWN), now=0.9995)  # retry at 1.0005
+    wait = job.next_action(0.9996)
+    assert isinstance(wait, Wait) and wait.until == 1.0  # rank 0's renewal is due first
+    renew = job.next_action(1.0)
+    assert isinstance(renew, SendRenew) and renew.source == rank0
+
+
+def test_a_failed_renewal_of_another_rank_fails_the_pull_and_releases_both() -> None:
+    job = tp2_pull()
+    rank0, rank1 = tp2_sources()
+    claim_and_read_rank_0(job)
+    job.next_action(0.1)
+    job.on_registration(rank1, tp2_registration(1))
+    job.next_action(0.1)
+    job.on_claim_reply(rank1, ClaimReply(ClaimStatus.GRANTED, lease=30.0, lease_token="t1"), now=0.1)
+    renew = job.next_action(1.1)
+    assert isinstance(renew, SendRenew) and renew.source == rank0
+    job.on_renewed(rank0, ClaimReply(ClaimStatus.REFUSED, reason="no live claim to renew"), now=1.1)
+    tokens = []
+    while isinstance(action := job.next_action(1.1), SendRelease):
+        tokens.append(action.message.lease_token)
+        assert not action.message.pulled
+        job.on_release_sent(action.source)
+    assert tokens == ["t0", "t1"]
+    assert action.result.failure is Failure.REFUSED and "renewal on P rank 0" in action.result.reason
+
+
+def run_against_p(job: ConsumerPull, ledgers: dict[int, ProducerLedger], *, read_seconds: dict[int, float],
+                  renew_reaches_p: float = 0.0, read_from: float = 0.0,
+                  renewals_lost: tuple[int, ...] = ()) -> PullResult:
+    """Drive ``job`` on a simulated clock against each P rank's real ledger (their hold "hold" of "p-req"). A read
+    from rank r takes ``read_seconds[r]``; the first starts no earlier than ``read_from`` (its read slot was busy);
+    a renewal reaches P ``renew_reaches_p`` after it is sent. Renewals of ``renewals_lost`` ranks never reach P
+    (the adapter feeds back a grant: what D's state machine did when it renewed only the rank being read)."""
+    now = 0.0
+    for _ in range(100_000):
+        for ledger in ledgers.values():
+            ledger.expire(now)
+        action = job.next_action(now)
+        if isinstance(action, Finish):
+            return action.result
+        if isinstance(action, Wait):
+            now = action.until
+            continue
+        source = action.source
+        ledger = ledgers[source.p_rank]
+        if isinstance(action, FetchRegistration):
+            job.on_registration(source, tp2_registration(source.p_rank))
+        elif isinstance(action, SendClaim):
+            m = action.message
+            job.on_claim_reply(source, ledger.claim(m.request_id, m.hold_id, m.reader, m.expected_readers, now,
+                                                    m.claim_id), now)
+        elif isinstance(action, SendRenew):
+            m = action.message
+            if source.p_rank in renewals_lost:
+                job.on_renewed(source, ClaimReply(ClaimStatus.GRANTED, ledger.lease_timeout, "", m.lease_token), now)
+                continue
+            now += renew_reaches_p
+            ledger.expire(now)
+            job.on_renewed(source, ledger.renew(m.request_id, m.hold_id, m.reader, now, m.lease_token), now)
+        elif isinstance(action, ReadBatch):
+            now = max(now, read_from) + read_seconds[source.p_rank]
+            job.on_batch_done(source, True)
+        else:
+            m = action.message
+            job.on_release_sent(source, ledger.release(m.request_id, m.hold_id, m.reader, m.expected_readers, now,
+                                                       m.lease_token, m.pulled))
+    raise AssertionError("the pull did not finish")
+
+
+def held_ledgers(lease_timeout: float, ranks: int = 2) -> dict[int, ProducerLedger]:
+    ledgers = {r: ProducerLedger(hold_timeout=600.0, lease_timeout=lease_timeout) for r in range(ranks)}
+    for ledger in ledgers.values():
+        ledger.hold("p-req", "hold", 0.0, 3)
+    return ledgers
+
+
+@pytest.mark.parametrize("renewals_lost", [(), (0,)])
+def test_a_slow_second_rank_no_longer_costs_the_first_its_lease(renewals_lost: tuple[int, ...]) -> None:
+    """Against P's real ledgers: rank 1's reads take 4 x 3 s with a 6 s lease. Every lease renewed: pulled, both
+    holds released. Rank 0's renewals lost (the old behaviour: only the rank being read was renewed): its lease
+    lapses, P frees its blocks, and the release comes back not confirmed: lease_lost."""
+    ledgers = held_ledgers(lease_timeout=6.0)
+    result = run_against_p(tp2_pull(max_batch_entries=1), ledgers, read_seconds={0: 0.01, 1: 3.0},
+                           renewals_lost=renewals_lost)
+    if not renewals_lost:
+        assert result.outcome is Outcome.PULLED, result.reason
+        assert [ledgers[r].state("p-req") for r in (0, 1)] == [HoldState.RELEASED] * 2
+        assert not any(ledger.counters["lease_lapsed"] for ledger in ledgers.values())
+    else:
+        assert result.failure is Failure.LEASE_LOST and "P rank 0" in result.reason
+        assert ledgers[0].state("p-req") is HoldState.EXPIRED and ledgers[0].counters["lease_lapsed"] == 1
+
+
+# ----------------------------------------------------------------------------- a crash of the pull thread
+
+
+def test_a_crash_owes_each_lease_its_token_and_a_never_claimed_rank_a_notification() -> None:
+    job = tp2_pull(max_batch_entries=1)
+    rank0, rank1 = tp2_sources()
+    claim_and_read_rank_0(job, token="t0")
+    job.on_crash("internal error: boom")  # e.g. the adapter raised while fetching rank 1's registration
+    owed = []
+    while isinstance(action := job.next_action(0.2), SendRelease):
+        owed.append(action)
+        job.on_release_sent(action.source)
+    assert [(a.source.p_rank, a.message.lease_token, a.message.pulled, a.message.expected_readers) for a in owed] == [
+        (0, "t0", False, 1), (1, "", False, 1)]
+    assert action.result.failure is Failure.INTERNAL and action.result.reason == "internal error: boom"
+
+
+def test_a_crash_during_the_releases_owes_only_those_not_answered() -> None:
+    job = tp2_pull()
+    rank0, rank1 = tp2_sources()
+    claim_and_read_rank_0(job, token="t0")
+    job.next_action(0.1)
+    job.on_registration(rank1, tp2_registration(1))
+    job.next_action(0.1)
+    job.on_claim_reply(rank1, ClaimReply(ClaimStatus.GRANTED, lease=30.0, lease_token="t1"), now=0.1)
+    while isinstance(action := job.next_action(0.2), ReadBatch):
+        job.on_batch_done(action.source, True)
+    assert isinstance(action, SendRelease) and action.source == rank0
+    job.on_release_sent(rank0)
+    job.on_crash("internal error: boom")  # before rank 1's release went out
+    owed = job.next_action(0.2)
+    assert isinstance(owed, SendRelease) and owed.source == rank1 and owed.message.lease_token == "t1"
+    assert not owed.message.pulled  # nothing read counts after a crash
+    job.on_release_sent(rank1)
+    assert job.next_action(0.2).result.failure is Failure.INTERNAL
+
+
+def test_a_crash_keeps_a_failure_already_out() -> None:
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(SRC, registration())
+    job.next_action(0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.GRANTED, lease=30, lease_token="tok"), now=0)
+    job.on_batch_done(SRC, False, "rc -1")  # published as read_failed
+    job.on_crash("internal error: boom")
+    release = job.next_action(0)
+    assert isinstance(release, SendRelease) and release.message.lease_token == "tok"
+    job.on_release_sent(SRC)
+    assert job.next_action(0).result.failure is Failure.READ_FAILED
+
+
+@pytest.mark.parametrize("with_token", [True, False])
+def test_the_release_owed_after_a_crash_frees_ps_hold_only_with_its_token(with_token: bool) -> None:
+    """P's ledger ignores the release of a live lease that does not carry its token (the release the pull thread
+    used to send after a crash): the blocks stay pinned until the lease lapses."""
+    ledger = ProducerLedger(hold_timeout=600.0, lease_timeout=60.0)
+    ledger.hold("p-req", "hold", 0.0, 3)
+    job = pull(awaiting_plan())
+    job.next_action(0)
+    job.on_registration(SRC, registration())
+    m = job.next_action(0).message
+    job.on_claim_reply(SRC, ledger.claim(m.request_id, m.hold_id, m.reader, m.expected_readers, 0.0, m.claim_id),
+                       now=0)
+    job.on_crash("internal error: boom")
+    release = job.next_action(0.5).message
+    if not with_token:
+        release = msgspec.structs.replace(release, lease_token="")
+    ledger.release(release.request_id, release.hold_id, release.reader, release.expected_readers, 0.5,
+                   release.lease_token, release.pulled)
+    if with_token:
+        assert ledger.state("p-req") is HoldState.RELEASED and ledger.take_freed() == ["p-req"]
+    else:
+        assert ledger.state("p-req") is HoldState.CLAIMED and ledger.counters["release_without_token"] == 1
+
+
+# ----------------------------------------------------------------------------- D's deadline in its claims
+
+
+def test_every_claim_carries_the_pulls_deadline_on_ds_wall_clock() -> None:
+    job = ConsumerPull(awaiting_plan(), [SRC], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=1024, now=100.0,
+                       timeout=20.0, wall_now_ms=1_700_000_000_000)
+    assert job.wall_deadline_ms == 1_700_000_020_000
+    job.next_action(100.0)
+    job.on_registration(SRC, registration())
+    first = job.next_action(100.0)
+    job.on_claim_reply(SRC, ClaimReply(ClaimStatus.UNKNOWN), now=100.0)
+    resent = job.next_action(100.5)
+    assert isinstance(first, SendClaim) and isinstance(resent, SendClaim)
+    assert first.message.deadline_ms == resent.message.deadline_ms == 1_700_000_020_000
+
+
+def test_no_deadline_is_claimed_without_a_wall_clock_or_a_bound() -> None:
+    for kw in ({"timeout": 20.0}, {"wall_now_ms": 1_700_000_000_000}):
+        job = ConsumerPull(awaiting_plan(), [SRC], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=1024, now=0.0,
+                           **kw)
+        job.next_action(0.0)
+        job.on_registration(SRC, registration())
+        claim = job.next_action(0.0)
+        assert isinstance(claim, SendClaim) and claim.message.deadline_ms == 0
+
+
+def test_p_refuses_a_claim_that_reaches_it_after_ds_deadline() -> None:
+    """What the deadline is for: a claim held up (a kernel buffer while the link was down) and delivered after D
+    gave up pins nothing. Without it P grants the late claim, and nobody renews or releases the lease."""
+    job = ConsumerPull(awaiting_plan(), [SRC], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=1024, now=0.0,
+                       timeout=20.0, wall_now_ms=1_700_000_000_000)
+    job.next_action(0.0)
+    job.on_registration(SRC, registration())
+    m = job.next_action(0.0).message
+    late_ms = m.deadline_ms + 120_000  # delivered two minutes after D's deadline (beyond any clock_skew)
+    for deadline_ms, granted in ((m.deadline_ms, False), (0, True)):
+        ledger = ProducerLedger(hold_timeout=600.0, lease_timeout=60.0)
+        ledger.hold("p-req", "hold", 0.0, 3)
+        reply = ledger.claim(m.request_id, m.hold_id, m.reader, m.expected_readers, 5.0, m.claim_id,
+                             deadline_ms=deadline_ms, wall_now_ms=late_ms)
+        assert (reply.status is ClaimStatus.GRANTED) is granted, reply

@@ -1,11 +1,12 @@
 """D side, worker half: one :class:`~vllm_kvp2p.lifecycle.consumer.PullPlan` carried out on one D rank. Pure:
 no sockets, threads, clocks or torch.
 
-For every P rank the TP mapping names: ``registration -> claim -> read batches (renewing the lease)``, where a
-registration not cached yet comes with the claim's reply (one round trip for both); then a
-release to every P rank (read or only notified), then :class:`Finish`. The pull thread performs each returned
-action and feeds back the result, as an h11-style state machine. Any failure skips straight to the releases, so
-P is released in every outcome.
+For every P rank the TP mapping names: ``registration -> claim -> read batches``, where a registration not cached
+yet comes with the claim's reply (one round trip for both); then a release to every P rank (read or only
+notified), then :class:`Finish`. Every lease held is renewed when its time comes, whichever P rank is being worked
+on, until its release. The pull thread performs each returned action and feeds back the result, as an h11-style
+state machine. Any failure, and a crash of the pull thread (:meth:`ConsumerPull.on_crash`), skips straight to the
+releases, so P is released in every outcome, each lease with its token.
 
 The actions and the result are plain values in :mod:`vllm_kvp2p.lifecycle.pull_actions` (imported from here
 too). The completion rule lives in :attr:`PullResult.report_finished`: vLLM parked the request in
@@ -16,16 +17,18 @@ the receive be reported (reporting it for a RUNNING request kills vLLM's schedul
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_kvp2p.kv_groups import STATE, KVGroup, single_full_group
+from vllm_kvp2p.kv_groups import STATE
 from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull_actions import (
     Action,
     FetchRegistration,
     Finish,
+    LocalKV,
     Outcome,
     PullResult,
     ReadBatch,
@@ -50,29 +53,6 @@ UNKNOWN_RETRY_FIRST = 0.001
 UNKNOWN_RETRY_MAX = 0.05
 # Characters of a failure reason kept (it ends up in a WARNING and in the request's kv_transfer_params).
 MAX_REASON = 1000
-
-
-@dataclass(frozen=True)
-class LocalKV:
-    """This D rank's KV memory and model geometry, as its registration describes it."""
-
-    planes: tuple[PlaneGeometry, ...]
-    shapes: tuple[BlockShape, ...]
-    block_size: int
-    layer_names: tuple[str, ...]
-    dtype: str
-    total_num_kv_heads: int
-    use_mla: bool = False
-    groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
-    plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
-    tp_size: int = 1
-    model_fingerprint: str = ""  # vllm_kvp2p/identity.py; empty: not compared
-
-    def kv_groups(self) -> tuple[KVGroup, ...]:
-        return self.groups or single_full_group(self.block_size)
-
-    def group_of_planes(self) -> tuple[int, ...]:
-        return self.plane_groups or (0,) * len(self.planes)
 
 
 class _Phase(enum.Enum):
@@ -115,11 +95,14 @@ class ConsumerPull:
         timeout: float = float("inf"),
         release_timeout: float = float("inf"),
         claim_id: str = "",
+        wall_now_ms: int = 0,
     ) -> None:
         """``timeout``: the whole pull's budget (every round trip and read, from ``now``); past it the pull fails.
         ``release_timeout``: after that, how long the releases may take; past it the remaining ones are not sent
         (P's hold timeout frees the blocks). ``claim_id``: random per pull (the caller draws it), so that a claim
-        resent after a lost reply gets the same lease back."""
+        resent after a lost reply gets the same lease back. ``wall_now_ms``: D's wall clock at ``now`` (ms since
+        the epoch; 0: not given): every claim carries the pull's deadline on it (:attr:`wall_deadline_ms`), so
+        that P refuses a claim delivered after D gave up and leases no longer than D may read."""
         self.plan = plan
         self.claim_id = claim_id
         self.reader = reader
@@ -129,6 +112,8 @@ class ConsumerPull:
         self._sources = [_SourceState(s, claim_deadline=now + claim_wait) for s in sources]
         self.timeout = timeout
         self._deadline = now + timeout
+        finite = wall_now_ms > 0 and timeout < float("inf")
+        self.wall_deadline_ms = wall_now_ms + math.ceil(timeout * 1000) if finite else 0
         self._release_timeout = release_timeout
         self._release_deadline = self._deadline + release_timeout
         self._readable = [i for i, st in enumerate(self._sources) if st.source.slices]
@@ -167,27 +152,32 @@ class ConsumerPull:
             self._phase = _Phase.DONE
             self._result = self._make_result()
             return Finish(self._result)
+        # Every lease held, not only the one of the rank being read: a slow rank must not let another's lapse.
+        due = min((st for st in self._sources if self._holds_lease(st)), key=lambda st: st.renew_at, default=None)
+        if due is not None and now >= due.renew_at:
+            r = self.plan.remote
+            return SendRenew(due.source, Renew(r.remote_request_id, r.remote_hold_id, self.reader, due.lease_token))
         st = self._sources[self._readable[self._cursor]]
         if self._phase is _Phase.REGISTRATION:
             return FetchRegistration(st.source, join_claim=not st.fetch_registration)
         if self._phase is _Phase.CLAIM:
             if now < st.retry_at:
-                return Wait(st.retry_at)
+                return Wait(st.retry_at if due is None else min(st.retry_at, due.renew_at))
             return SendClaim(st.source, self._claim(st))
         # READ
-        if st.lease and now >= st.renew_at:
-            r = self.plan.remote
-            return SendRenew(st.source, Renew(r.remote_request_id, r.remote_hold_id, self.reader, st.lease_token))
         assert st.registration is not None
         return ReadBatch(st.source, st.registration.segment, st.batches[0])
 
-    def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "") -> bool:
-        """True when the registration is accepted (only then may the caller cache it)."""
+    def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "", *,
+                        unauthenticated: bool = False) -> bool:
+        """True when the registration is accepted (only then may the caller cache it). ``registration`` None: the
+        request failed with ``error``; ``unauthenticated``: P answered, but the shared-secret authentication of the
+        exchange failed (P refused D's, or P's reply failed D's), so P is up, not unreachable."""
         st = self._current(source, _Phase.REGISTRATION)
         if st is None:
             return False
         if registration is None:
-            self._fail(f"no registration from P rank {source.p_rank}: {error}", Failure.UNREACHABLE)
+            self._unanswered(f"no registration from P rank {source.p_rank}", error, unauthenticated)
             return False
         if not self._accept(st, registration):
             return False
@@ -208,13 +198,15 @@ class ConsumerPull:
         st.registration_in_claim = True
         self._phase = _Phase.CLAIM
 
-    def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> bool:
-        """True when the reply brought a registration that was accepted (only then may the caller cache it)."""
+    def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "", *,
+                       unauthenticated: bool = False) -> bool:
+        """True when the reply brought a registration that was accepted (only then may the caller cache it).
+        ``reply`` None: as for :meth:`on_registration`."""
         st = self._current(source, _Phase.CLAIM)
         if st is None:
             return False
         if reply is None:
-            self._fail(f"claim on P rank {source.p_rank} failed: {error}", Failure.UNREACHABLE)
+            self._unanswered(f"claim on P rank {source.p_rank} failed", error, unauthenticated)
             return False
         if reply.status is ClaimStatus.GRANTED:  # before the checks: a release after a refused one carries it
             st.lease, st.lease_token = reply.lease, reply.lease_token
@@ -247,14 +239,18 @@ class ConsumerPull:
         self._fail(f"P rank {source.p_rank} refused the claim: {why}", Failure.REFUSED)
         return accepted
 
-    def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "") -> None:
-        st = self._current(source, _Phase.READ)
+    def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "", *,
+                   unauthenticated: bool = False) -> None:
+        """The answer to a renewal of any lease this pull holds. ``reply`` None: as for :meth:`on_registration`."""
+        if self._phase in (_Phase.RELEASE, _Phase.DONE):
+            return  # a stale result: the pull has moved on to the releases
+        st = next((st for st in self._sources if st.source == source and self._holds_lease(st)), None)
         if st is None:
             return
-        if reply is None or reply.status is not ClaimStatus.GRANTED:
-            reason = error if reply is None else reply.reason
-            return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reason}",
-                              Failure.UNREACHABLE if reply is None else Failure.REFUSED)
+        if reply is None:
+            return self._unanswered(f"lease renewal on P rank {source.p_rank} failed", error, unauthenticated)
+        if reply.status is not ClaimStatus.GRANTED:
+            return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reply.reason}", Failure.REFUSED)
         st.renew_at = now + reply.lease / 3
 
     def on_batch_done(self, source: Source, ok: bool, error: str = "") -> None:
@@ -284,6 +280,17 @@ class ConsumerPull:
         """Stop reading (the engine is stopping): the pull fails and goes straight to the releases."""
         if self._phase not in (_Phase.RELEASE, _Phase.DONE):
             self._fail(reason, Failure.SHUTDOWN)
+
+    def on_crash(self, reason: str) -> None:
+        """The pull thread raised while carrying out this pull. Nothing read counts (a failure already out stays
+        the failure); :meth:`next_action` gives the releases still owed, each with the lease token this pull
+        holds on that P rank (without it P ignores the release of a live lease and keeps the blocks until the
+        lease lapses), a plain notification to a rank never claimed."""
+        if self._phase is _Phase.DONE:
+            return
+        if not self._failure:
+            self._fail(reason, Failure.INTERNAL)
+        self._phase = _Phase.RELEASE
 
     def on_release_failed(self, source: Source) -> None:
         """P rank ``source`` did not answer a release: the instance's other ranks are not tried either (each would
@@ -322,6 +329,13 @@ class ConsumerPull:
         self._cursor += 1
         self._phase = _Phase.RELEASE if self._cursor >= len(self._readable) else _Phase.REGISTRATION
 
+    def _holds_lease(self, st: _SourceState) -> bool:
+        return bool(st.lease) and not st.released
+
+    def _unanswered(self, what: str, error: str, unauthenticated: bool) -> None:
+        # Unauthenticated, P did answer: it is not down (nor to be taken for down by the pulls that follow).
+        self._fail(f"{what}: {error}", Failure.UNAUTHENTICATED if unauthenticated else Failure.UNREACHABLE)
+
     def _fail(self, reason: str, kind: Failure) -> None:
         # Reasons quote what P sent (engine ids, segments, error texts): bounded, as they go to logs and to vLLM.
         self._failure = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON] + " [cut]"
@@ -355,7 +369,8 @@ class ConsumerPull:
     def _claim(self, st: _SourceState) -> Claim:
         r = self.plan.remote
         return Claim(r.remote_request_id, r.remote_hold_id, self.reader, st.source.expected_readers, self.claim_id,
-                     with_registration=st.registration_in_claim and st.registration is None)
+                     with_registration=st.registration_in_claim and st.registration is None,
+                     deadline_ms=self.wall_deadline_ms)
 
     def _pulled(self, source: Source) -> bool:
         """Whether this pull read from ``source`` and still counts that read (so P's confirmation matters)."""

@@ -1,6 +1,7 @@
-"""D side, worker half: what the pull state machine (:mod:`vllm_kvp2p.lifecycle.pull`) asks its adapter to do
-(the actions, each addressed to a P rank, a :class:`Source`) and what a pull ends with (:class:`PullResult`). Pure
-values: no sockets, threads, clocks or torch.
+"""D side, worker half: what the pull state machine (:mod:`vllm_kvp2p.lifecycle.pull`) is given (this D rank's
+memory, :class:`LocalKV`, and the P ranks it talks to, :class:`Source`), what it asks its adapter to do (the
+actions, each addressed to a P rank) and what a pull ends with (:class:`PullResult`, and for a failure what an
+operator may change, :data:`FAILURE_HINTS`). Pure values: no sockets, threads, clocks or torch.
 
 The completion rule lives in :attr:`PullResult.report_finished`: vLLM parked the request in
 ``WAITING_FOR_REMOTE_KVS`` only when it asked for external tokens (``PullPlan.awaiting``), and only then may the
@@ -13,10 +14,35 @@ import enum
 from dataclasses import dataclass
 from typing import Union
 
+from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import Failure
 from vllm_kvp2p.protocol import Claim, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
-from vllm_kvp2p.transfer.descriptors import Descriptors
+from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
+from vllm_kvp2p.transfer.slicing import BlockShape
+
+
+@dataclass(frozen=True)
+class LocalKV:
+    """This D rank's KV memory and model geometry, as its registration describes it."""
+
+    planes: tuple[PlaneGeometry, ...]
+    shapes: tuple[BlockShape, ...]
+    block_size: int
+    layer_names: tuple[str, ...]
+    dtype: str
+    total_num_kv_heads: int
+    use_mla: bool = False
+    groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
+    plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
+    tp_size: int = 1
+    model_fingerprint: str = ""  # vllm_kvp2p/identity.py; empty: not compared
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return self.groups or single_full_group(self.block_size)
+
+    def group_of_planes(self) -> tuple[int, ...]:
+        return self.plane_groups or (0,) * len(self.planes)
 
 
 @dataclass(frozen=True)
@@ -101,3 +127,17 @@ class Finish:
 
 
 Action = Union[FetchRegistration, SendClaim, Wait, ReadBatch, SendRenew, SendRelease, Finish]
+
+
+#: What an operator may change for each kind of failure (the WARNING of a failed pull ends with it).
+FAILURE_HINTS: dict[Failure, str] = {
+    Failure.INVALID_PARAMS: "the client sent D params no P issued, or peer_ports excludes P's ports",
+    Failure.UNAUTHENTICATED: "VLLM_KVP2P_SECRET must be the same on P and D, their clocks within clock_skew",
+    Failure.INCOMPATIBLE: "P and D must serve the same model with the same KV layout and package version",
+    Failure.UNREACHABLE: "P down, or its advertised address (host / VLLM_HOST_IP) unreachable from D; "
+                         "side_channel_timeout bounds the wait",
+    Failure.REFUSED: "P no longer holds the blocks: hold_timeout on P shorter than D's queueing",
+    Failure.TIMEOUT: "pull_timeout bounds a whole pull",
+    Failure.READ_FAILED: "a Mooncake read failed: transfer_timeout, protocol, device_name",
+    Failure.LEASE_LOST: "the read outlived the lease: lease_timeout on P vs transfer_timeout on D",
+}

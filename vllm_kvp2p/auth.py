@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import re
 import secrets
 
 import msgspec
@@ -29,6 +30,7 @@ from vllm_kvp2p.protocol import RemotePrefill
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 16
 MAC_BYTES = 32
+_HEX_MAC = re.compile(r"[0-9a-f]{64}")
 MAX_NONCES = 1 << 16  # replay-window memory of one side channel (messages within 2 * clock_skew)
 
 
@@ -120,8 +122,10 @@ class Authenticator:
         """Why D must not use these params ("" if they are P's, unchanged and not expired)."""
         if not remote.mac:
             return "kv_transfer_params are not signed (this D has a shared secret)"
+        if not _HEX_MAC.fullmatch(remote.mac):  # before comparing: compare_digest refuses non-ASCII text
+            return "kv_transfer_params signature is malformed (not 64 hex digits)"
         expected = self._params_mac(msgspec.structs.replace(remote, mac=""))
-        if not hmac.compare_digest(expected, remote.mac):
+        if not hmac.compare_digest(expected.encode(), remote.mac.encode()):
             return "kv_transfer_params signature does not match (changed, or signed with another secret)"
         if now_ms > remote.expires_ms + self.skew_ms:
             return (f"kv_transfer_params expired {(now_ms - remote.expires_ms) / 1000:.1f} s ago "

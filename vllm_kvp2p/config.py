@@ -294,16 +294,20 @@ class KVP2PConfig:
     def advertised_host(self, detect: Callable[[], str]) -> str:
         """The address peers are given: ``host`` when set, else ``detect()`` (vLLM's ``get_ip``, passed in by the
         caller: vllm_kvp2p.compat.node_ip). The scheduler half (it writes ``remote_host``) and every worker (it
-        names its Mooncake segment) run in different processes and each call this with the same settings."""
+        names its Mooncake segment) run in different processes and each call this with the same settings.
+
+        Always an IP address: a host name is resolved here, once, at start-up. D accepts only addresses in
+        params, so nothing on the request path waits for a resolver, and the segment a registration names is
+        compared with the params' host as an address."""
         if self.host:
-            return self.host
+            return _address_of(self.host)
         found = (detect() or "").strip()
         if not found or found in WILDCARD_HOSTS:
             raise ConfigError(
                 f"host is not set and vLLM could not determine this node's address (it found {found!r}); set "
                 "VLLM_KVP2P_HOST (or VLLM_HOST_IP) to the address peers reach this instance at"
             )
-        return found
+        return _address_of(found)
 
     def side_channel_bind_host(self, advertised: str) -> str:
         """The address P's side channel binds: ``bind_host``, else the advertised address."""
@@ -445,3 +449,20 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "clock_skew": _as_float,
     "test_hooks": _as_bool,
 }
+
+
+def _address_of(host: str) -> str:
+    """``host`` itself when it is an IP address, else the first address it resolves to (ConfigError if none)."""
+    import ipaddress
+    import socket
+
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"host={host!r} does not resolve to an address ({exc}); set VLLM_KVP2P_HOST (or "
+                          "VLLM_HOST_IP) to the IP address peers reach this instance at") from None
+    return str(found[0][4][0])

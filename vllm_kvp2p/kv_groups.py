@@ -84,6 +84,14 @@ def prompt_blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size) if num_tokens > 0 else 0
 
 
+def needed_count(group: KVGroup, num_tokens: int) -> int:
+    """How many blocks of this group a decoder needs for a ``num_tokens`` prompt: what :func:`needed_tail` keeps of
+    P's list, so exactly what D must be offered (vllm_kvp2p/lifecycle/admission.py)."""
+    blocks = prompt_blocks(num_tokens, group.block_size)
+    limit = group.max_blocks
+    return min(blocks, limit) if limit is not None else blocks
+
+
 def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> list[int]:
     """The blocks of one group's list (in token order, starting at the prompt's first block) that hold what a
     decoder needs of a ``num_tokens`` prompt: the list is cut to the prompt's blocks, then to the window."""

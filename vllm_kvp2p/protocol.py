@@ -13,15 +13,15 @@ Three boundaries:
 
 from __future__ import annotations
 
-import functools
-import ipaddress
-import re
+import hashlib
+from array import array
+from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
-from vllm_kvp2p.kv_groups import KVGroup, prompt_blocks, single_full_group
+from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -29,91 +29,62 @@ from vllm_kvp2p.transfer.slicing import BlockShape
 # (vLLM CPU's K and V halves), params bound to their prompt, claims with D's deadline
 PROTOCOL_VERSION = 4
 
-# Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone).
+# Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone): part of
+# the type, so converting a client's dict refuses anything outside them (naming the field) before any check runs.
 MAX_TP_SIZE = 1024
 MAX_KV_GROUPS = 64
 MAX_BLOCK_SIZE = 1 << 20  # tokens
 MAX_ID_LENGTH = 256
+MAX_TOKENS = 1 << 40
+MAX_BLOCK_ID = (1 << 62) - 1  # below every signed 64-bit bound (msgpack, C++)
+MAX_BLOCKS_PER_GROUP = 1 << 22
+MAX_HOST_LENGTH = 253  # no address or host name is longer
 PortRanges = tuple[tuple[int, int], ...]
 ANY_PORT: PortRanges = ((1, 65535),)
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+OptionalId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LENGTH)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+GroupBlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 
 
 # --------------------------------------------------------------------------- kv_transfer_params
 
 
 class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What D needs to find and claim P's blocks for one request."""
+    """What D needs to find and claim P's blocks for one request. Every check of these against D's request is
+    made in one place, :func:`vllm_kvp2p.lifecycle.admission.judge`."""
 
-    remote_engine_id: str
-    remote_request_id: str  # P's internal request id (vLLM suffixes ids, so P's and D's differ)
-    remote_host: str
-    remote_port: int  # side-channel port of P's (dp, tp 0); rank r listens on remote_port + r
+    remote_engine_id: Id
+    remote_request_id: Id  # P's internal request id (vLLM suffixes ids, so P's and D's differ)
+    remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]  # an IP address
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]  # side-channel port of P's (dp, tp 0); rank r: + r
     # One list per KV-cache group (vLLM's order of transfer groups), each cut to what a decoder needs and ending
     # with the block of the prompt's last token (vllm_kvp2p/kv_groups.py). One list for a model without HMA.
-    remote_block_ids: list[list[int]]
-    remote_hold_id: str  # fences a claim to exactly this hold of these blocks
-    remote_num_tokens: int  # tokens P computed (and whose KV the blocks hold)
-    remote_block_size: int
-    tp_size: int = 1
+    remote_block_ids: Annotated[list[GroupBlockIds], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUPS)]
+    remote_hold_id: Id  # fences a claim to exactly this hold of these blocks
+    remote_num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]  # tokens P computed (the blocks' KV)
+    remote_block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
     # P's incarnation (drawn at each start): D's cached registration of this P must be of the same one.
-    remote_incarnation: str = ""
-    expires_ms: int = 0  # with a shared secret: P's wall clock after which D refuses these params
-    mac: str = ""  # with a shared secret: HMAC-SHA256 over every other field (vllm_kvp2p/auth.py)
+    remote_incarnation: OptionalId = ""
+    # prompt_digest() of the remote_num_tokens tokens whose KV the blocks hold: D compares it with its own request.
+    remote_prompt_digest: OptionalId = ""
+    # With a shared secret: P's wall clock after which D refuses these params, and HMAC-SHA256 over every other
+    # field (vllm_kvp2p/auth.py).
+    expires_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0
+    mac: OptionalId = ""
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> RemotePrefill | None:
-        """Parse the request's ``kv_transfer_params``; None when they do not describe a remote prefill."""
+    def from_params(cls, params: Any) -> RemotePrefill | None:
+        """The request's ``kv_transfer_params`` converted (strictly, within the bounds above); None when they do
+        not convert (:func:`vllm_kvp2p.lifecycle.admission.judge` says why)."""
         try:
-            return msgspec.convert(params, cls, strict=False)
-        except msgspec.ValidationError:
+            return msgspec.convert(params, cls, strict=True)
+        except (msgspec.ValidationError, TypeError, ValueError):
             return None
-
-    def address_problem(self, port_ranges: PortRanges = ANY_PORT) -> str:
-        """What makes P's side channel unaddressable ("" if nothing): then D contacts no one, not even to release.
-        Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``, all
-        inside one of ``port_ranges`` (inclusive; the ``peer_ports`` setting)."""
-        if not 1 <= self.tp_size <= MAX_TP_SIZE:
-            return f"tp_size {self.tp_size} outside 1..{MAX_TP_SIZE}"
-        last = self.remote_port + self.tp_size - 1
-        if not any(lo <= self.remote_port and last <= hi for lo, hi in port_ranges):
-            allowed = ", ".join(f"{lo}..{hi}" for lo, hi in port_ranges)
-            return (f"remote_port {self.remote_port} with tp_size {self.tp_size}: ports {self.remote_port}..{last} "
-                    f"not inside the allowed side-channel ports ({allowed}; the peer_ports setting)")
-        if not _valid_host(self.remote_host):
-            return f"remote_host {self.remote_host[:80]!r} is not an IP address or host name"
-        return ""
-
-    def problem(self, num_prompt_tokens: int, port_ranges: PortRanges = ANY_PORT) -> str:
-        """What makes these params unusable for a ``num_prompt_tokens`` prompt ("" if nothing): checked before D
-        plans anything, since any client can send them. Names the field."""
-        address = self.address_problem(port_ranges)
-        if address:
-            return address
-        for name in ("remote_engine_id", "remote_request_id", "remote_hold_id"):
-            value = getattr(self, name)
-            if not 0 < len(value) <= MAX_ID_LENGTH:
-                return f"{name} must have 1..{MAX_ID_LENGTH} characters, has {len(value)}"
-        for name in ("remote_incarnation", "mac"):
-            if len(getattr(self, name)) > MAX_ID_LENGTH:
-                return f"{name} must have at most {MAX_ID_LENGTH} characters"
-        if not 1 <= self.remote_block_size <= MAX_BLOCK_SIZE:
-            return f"remote_block_size {self.remote_block_size} outside 1..{MAX_BLOCK_SIZE}"
-        if not 1 <= self.remote_num_tokens <= num_prompt_tokens:
-            return f"remote_num_tokens {self.remote_num_tokens} outside 1..{num_prompt_tokens} (the prompt)"
-        if not 1 <= len(self.remote_block_ids) <= MAX_KV_GROUPS:
-            return f"remote_block_ids has {len(self.remote_block_ids)} groups, not 1..{MAX_KV_GROUPS}"
-        most = prompt_blocks(self.remote_num_tokens, self.remote_block_size)
-        for i, ids in enumerate(self.remote_block_ids):
-            if len(ids) > most:
-                return (f"remote_block_ids[{i}] has {len(ids)} blocks; {self.remote_num_tokens} tokens fill at most "
-                        f"{most}")
-            if any(b < 0 for b in ids) or len(set(ids)) != len(ids):
-                return f"remote_block_ids[{i}] holds a negative or repeated block id"
-        return ""
 
     def to_params(self) -> dict[str, Any]:
         out = msgspec.to_builtins(self)
@@ -123,17 +94,16 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
         return out
 
 
-def _valid_host(host: str) -> bool:
-    return len(host) <= 253 and _valid_short_host(host)  # no name or address is longer; nothing long is cached
-
-
-@functools.lru_cache(maxsize=1024)  # a fleet has few P hosts; parsing one costs ~7 us, twice per admission
-def _valid_short_host(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(_HOSTNAME.match(host))
+def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
+    """What binds params to a prompt: SHA-256 (first 128 bits, hex) of the token ids and whatever else decides the
+    KV of those tokens (``extras``: the LoRA adapter, multimodal inputs and their positions, prompt embeddings;
+    see vllm_kvp2p/scheduler.py). The same on P (over the tokens it offers) and on D (over as many of its own)."""
+    h = hashlib.sha256(b"vllm-kvp2p/prompt/v1\0")
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    for extra in extras:
+        h.update(b"\0" + extra.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- registration

@@ -7,9 +7,11 @@ into a hold (kept blocks + ``kv_transfer_params``), D-side it forwards admission
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +22,12 @@ from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.identity import incarnation
 from vllm_kvp2p.kv_groups import FULL, common_block_size, groups_from_vllm, has_state, needed_tail
+from vllm_kvp2p.lifecycle.admission import Admitted, Prompt
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.metrics import Kvp2pStats
-from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.step_wakeup import StepWaiter
 
 if TYPE_CHECKING:
@@ -132,35 +136,74 @@ class SchedulerSide:
         # Failed pulls by kind, one per request (the workers' reports merged): the scheduler-side stats vLLM
         # merges into the connector's metrics (the workers count pulls, per rank).
         self.stats = Kvp2pStats()
+        self._crashed: OrderedDict[str, None] = OrderedDict()  # requests a hook failed on (logged once each)
+
+    # ------------------------------------------------------------------ no exception leaves a hook
+
+    def _survive(self, hook: str, request: Request, exc: Exception) -> None:
+        """A bug in the connector on one request must not take the engine down with every request in flight: log
+        it once per request with its traceback, and make that request's load fail (vLLM's kv_load_failure_policy
+        decides) without contacting anyone. Counted with the failed pull its plan becomes (an ``internal`` failure),
+        or here where no plan follows (P's side)."""
+        request_id = request.request_id
+        if request_id not in self._crashed:
+            self._crashed[request_id] = None
+            while len(self._crashed) > 4096:
+                self._crashed.popitem(last=False)
+            logger.error("MooncakeP2PConnector: %s failed on request %s; the request's KV load fails, the engine "
+                         "serves on", hook, request_id, exc_info=exc)
+        if self.is_consumer:
+            self.consumer.fail(request_id, f"internal error in {hook}: {type(exc).__name__}: {exc}"[:500])
+        else:
+            self.stats.record_failure(Failure.INTERNAL.value)
+
+    def _prompt(self, request: Request) -> Prompt:
+        return Prompt(request.num_prompt_tokens, lambda n: request_digest(request, n))
 
     # ------------------------------------------------------------------ P: admission
 
     def on_new_request(self, request: Request) -> None:
         """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/kv_groups.py)."""
         params = request.kv_transfer_params
-        if self.is_producer and params and params.get("do_remote_decode") and has_state(self.groups):
-            _drop_last_prompt_token(request)
+        try:
+            if (self.is_producer and isinstance(params, dict) and params.get("do_remote_decode")
+                    and has_state(self.groups)):
+                _drop_last_prompt_token(request)
+        except Exception as exc:
+            self._survive("on_new_request", request, exc)
 
     # ------------------------------------------------------------------ D: admission
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.is_consumer:
             return 0, False
-        return self.consumer.matched_tokens(
-            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
-        )
+        try:
+            return self.consumer.matched_tokens(
+                request.request_id, request.kv_transfer_params, self._prompt(request), num_computed_tokens
+            )
+        except Exception as exc:
+            self._survive("get_num_new_matched_tokens", request, exc)
+            count = request.num_prompt_tokens - 1 - num_computed_tokens  # vLLM waits, the failed plan ends it
+            return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if not self.is_consumer:
             return
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not (isinstance(params, dict) and params.get("do_remote_prefill")):
             return
-        per_group = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
-        unhashed = [per_group[gid] for gid in self.group_ids] if per_group else []
-        local_hit = self._local_hit_tokens(request, blocks, num_external_tokens)
-        plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit,
-                                      request.num_prompt_tokens)
+        unhashed: list[list[int]] = []
+        try:
+            per_group = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+            unhashed = [list(per_group[gid]) for gid in self.group_ids] if per_group else []
+            local_hit = self._local_hit_tokens(request, blocks, num_external_tokens)
+            plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit,
+                                          self._prompt(request))
+        except Exception as exc:
+            # vLLM may be waiting for this load now: it still gets exactly one (failed) plan.
+            self._survive("update_state_after_alloc", request, exc)
+            plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, 0,
+                                          self._prompt(request))
         if plan is not None:
             logger.debug(
                 "planned pull of %s: %d blocks (%s) from %s",
@@ -173,11 +216,10 @@ class SchedulerSide:
         (request.num_computed_tokens cannot tell it: vLLM updates it only after update_state_after_alloc). With
         sliding-window groups only (their older blocks are null), what D loads ends where P's tokens end."""
         if self._full_group is None:
-            remote = RemotePrefill.from_params(request.kv_transfer_params or {})
-            if remote is None or num_external_tokens <= 0:
+            verdict = self.consumer.verdict(request.request_id, request.kv_transfer_params, self._prompt(request))
+            if not isinstance(verdict, Admitted) or num_external_tokens <= 0:
                 return 0
-            return max(0, self.consumer.prompt_end(remote.remote_num_tokens, request.num_prompt_tokens)
-                       - num_external_tokens)
+            return max(0, verdict.load_end - num_external_tokens)
         group = blocks.blocks[self.group_ids[self._full_group]]
         return sum(1 for b in group if b.block_hash is not None and not b.is_null) * self.block_size
 
@@ -187,17 +229,26 @@ class SchedulerSide:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: one list per KV-cache group, as vLLM's ``request_finished_all_groups`` gives them."""
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params:
+            return False, None
+        try:
+            if params.get("do_remote_prefill"):
+                if self.is_consumer:
+                    self.consumer.on_finished(request.request_id, params, self._prompt(request))
+                report = self._reports.pop(request.request_id, None)
+                return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
+            if not (self.is_producer and params.get("do_remote_decode")):
+                return False, None
+            return self._offer(request, block_ids)
+        except Exception as exc:
+            self._survive("request_finished", request, exc)
+            return False, None  # P frees the blocks now; D computes the prompt itself
+
+    def _offer(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep the blocks of a finished prefill for a decoder and issue the params that name them."""
         from vllm.v1.request import RequestStatus
 
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        if params.get("do_remote_prefill"):
-            self.consumer.on_finished(request.request_id, params, request.num_prompt_tokens)
-            report = self._reports.pop(request.request_id, None)
-            return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
-        if not (self.is_producer and params.get("do_remote_decode")):
-            return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing for a decoder, free now
         if not any(block_ids):
@@ -218,6 +269,7 @@ class SchedulerSide:
             remote_block_size=self.block_size,
             tp_size=self.tp_size,
             remote_incarnation=self.incarnation,
+            remote_prompt_digest=request_digest(request, num_tokens),
         )
         if self.auth is not None:
             remote = self.auth.sign_params(remote, _now_ms() + int(self.config.hold_timeout * 1000))
@@ -292,6 +344,28 @@ def _drop_last_prompt_token(request: Request) -> None:
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
     params[_HELD_BACK_KEY] = True
+
+
+def request_digest(request: Request, num_tokens: int) -> str:
+    """``prompt_digest`` of a request's first ``num_tokens`` tokens with what else decides their KV: the LoRA
+    adapter, multimodal inputs starting among them (vLLM's identifier and position), prompt embeddings. P (over
+    what it offers) and D (over its own prompt) call it alike; ``cache_salt`` is left out: it isolates caches, it
+    does not change KV."""
+    extras: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extras.append(f"lora:{getattr(lora, 'lora_name', '')}")
+    for feature in getattr(request, "mm_features", None) or ():
+        position = feature.mm_position
+        if position.offset < num_tokens:
+            extras.append(f"mm:{feature.identifier}@{position.offset}+{position.length}")
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        import torch
+
+        rows = embeds[: min(num_tokens, len(embeds))].contiguous().cpu()
+        extras.append("embeds:" + hashlib.sha256(rows.view(torch.uint8).numpy().tobytes()).hexdigest())
+    return prompt_digest(request.all_token_ids[:num_tokens], extras)
 
 
 def _report_dict(report: PullReport) -> dict[str, Any]:

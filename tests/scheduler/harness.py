@@ -396,7 +396,7 @@ class FakeWorkers:
         assert isinstance(meta, KVP2PMetadata)
         self.plans.extend(meta.pulls)
         recv = {p.request_id for p in meta.pulls if p.awaiting}
-        failed = recv & self.failing
+        failed = recv & (self.failing | {p.request_id for p in meta.pulls if p.error})  # a failed plan fails
         blocks = {b for p in meta.pulls if p.request_id in failed for b in p.all_local_block_ids}
         out = model_runner_output(
             list(so.num_scheduled_tokens), finished_recving=recv, failed_recving=failed, load_error_blocks=blocks

@@ -31,7 +31,8 @@ def test_advertised_port_is_rank_zero_port_of_this_dp_rank(dp_rank: int, tp_size
     from vllm.v1.request import RequestStatus
 
     request = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
-                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+                              status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40,
+                              all_token_ids=list(range(41)))
     delay, params = side.request_finished(request, ([1, 2, 3],))
     remote = RemotePrefill.from_params(params)
     assert delay and remote is not None

@@ -31,7 +31,7 @@ from tests.scheduler.harness import (
     tokens,
 )
 from vllm_kvp2p.lifecycle.consumer import PullPlan
-from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.scheduler import (
     PULL_REPORT_KEY,
     HoldOrder,
@@ -57,8 +57,9 @@ def d_scheduler(num_blocks: int = NUM_BLOCKS, **kw):
 
 
 def remote_params(num_tokens: int, *, first_block: int = 200, request_id: str = "p-req", hold_id: str = "hold-1",
-                  block_size: int = BS) -> dict:
-    """The kv_transfer_params a P engine would return for a ``num_tokens`` prompt (P block ids 200, 201, ...)."""
+                  block_size: int = BS, prompt: list[int] | None = None) -> dict:
+    """The kv_transfer_params a P engine would return for the first ``num_tokens`` of ``prompt`` (default: the
+    harness's ``tokens(num_tokens)``, what ``make_request(id, num_tokens)`` prompts) held in P blocks 200, 201, ..."""
     n_blocks = math.ceil(num_tokens / block_size)
     return RemotePrefill(
         remote_engine_id=P_ENGINE,
@@ -69,6 +70,7 @@ def remote_params(num_tokens: int, *, first_block: int = 200, request_id: str = 
         remote_hold_id=hold_id,
         remote_num_tokens=num_tokens,
         remote_block_size=block_size,
+        remote_prompt_digest=prompt_digest((prompt or tokens(num_tokens))[:num_tokens]),
     ).to_params()
 
 
@@ -550,22 +552,29 @@ def test_d_incompatible_block_size_plan_fails_and_recomputes():
     assert_scheduler_empty(sched)
 
 
-def test_d_unparseable_params_run_locally():
-    sched = d_scheduler()
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_d_unparseable_params_fail_the_load_under_the_policy(policy):
+    """Params that ask for a remote prefill but do not convert: one failed plan that contacts no one, and vLLM's
+    kv_load_failure_policy ends the request (it used to run locally as if no params had been sent, and P's hold
+    waited for its timeout)."""
+    sched = d_scheduler(kv_load_failure_policy=policy)
     matched = Spy(sched, "get_num_new_matched_tokens")
-    finished = Spy(sched, "request_finished_all_groups")
     sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params={"do_remote_prefill": True}))
-    steps = run_until_idle(sched)
-    assert matched.results("d1") == [(0, False)]
-    assert finished.results("d1") == [(False, None)]
-    assert collect_plans(steps) == []
+    workers = FakeWorkers()
+    steps = workers.run_until_empty(sched)
+    assert matched.results("d1")[0] == (39, True)
+    (plan,) = workers.plans
+    assert plan.error.startswith("invalid kv_transfer_params") and not plan.contact_p
+    finished = {o.request_id: o.finish_reason for s in steps for o in s.outputs if o.finish_reason is not None}
+    assert finished == {"d1": FinishReason.LENGTH if policy == "recompute" else FinishReason.ERROR}
     assert_scheduler_empty(sched)
 
 
 def test_kv_both_serves_as_p_and_d_at_once():
     sched = make_scheduler(make_vllm_config("kv_both", engine_id="both-0"), num_blocks=NUM_BLOCKS)
     sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-    sched.add_request(make_request("d1", tokens(40, seed=9), max_tokens=2, kv_transfer_params=remote_params(40)))
+    sched.add_request(make_request("d1", tokens(40, seed=9), max_tokens=2,
+                                   kv_transfer_params=remote_params(40, prompt=tokens(40, seed=9))))
     st = step(sched)
     assert RemotePrefill.from_params(st.output("p1").kv_transfer_params).remote_engine_id == "both-0"
     assert sched.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -605,15 +614,14 @@ def test_d_contract_with_workers_that_follow_awaiting(policy):
     run_until_idle(sched)
 
     workers = FakeWorkers(failing={"d-fail"})
-    sched.add_request(make_request("d-full", shared, max_tokens=2, kv_transfer_params=remote_params(2 * BS)))
-    sched.add_request(make_request("d-partial", shared[:BS] + tokens(24, seed=2), max_tokens=2,
-                                   kv_transfer_params=remote_params(40, request_id="p2")))
-    sched.add_request(make_request("d-pull", tokens(40, seed=3), max_tokens=2,
-                                   kv_transfer_params=remote_params(40, request_id="p3")))
-    sched.add_request(make_request("d-fail", tokens(40, seed=4), max_tokens=2,
-                                   kv_transfer_params=remote_params(40, request_id="p4")))
-    sched.add_request(make_request("d-early-abort", tokens(40, seed=5), max_tokens=2,
-                                   kv_transfer_params=remote_params(40, request_id="p5")))
+    partial = shared[:BS] + tokens(24, seed=2)
+    sched.add_request(make_request("d-full", shared, max_tokens=2,
+                                   kv_transfer_params=remote_params(2 * BS, prompt=shared)))
+    sched.add_request(make_request("d-partial", partial, max_tokens=2,
+                                   kv_transfer_params=remote_params(40, request_id="p2", prompt=partial)))
+    for name, seed in (("d-pull", 3), ("d-fail", 4), ("d-early-abort", 5)):
+        sched.add_request(make_request(name, tokens(40, seed=seed), max_tokens=2, kv_transfer_params=remote_params(
+            40, request_id=f"p{seed - 1}" if name != "d-pull" else "p3", prompt=tokens(40, seed=seed))))
     sched.finish_requests("d-early-abort", RequestStatus.FINISHED_ABORTED)
     steps = workers.run_until_empty(sched)
 
@@ -624,6 +632,7 @@ def test_d_contract_with_workers_that_follow_awaiting(policy):
     assert all(len(plans) == 1 for plans in per_request.values())
     assert not per_request["d-full"][0].awaiting and not per_request["d-early-abort"][0].awaiting
     assert per_request["d-partial"][0].num_blocks == 2 and per_request["d-pull"][0].num_blocks == 3
+    assert not any(plan.error for plans in per_request.values() for plan in plans)  # every verdict admitted
     finished = {o.request_id: o.finish_reason for s in steps for o in s.outputs if o.finish_reason is not None}
     expected_fail = FinishReason.LENGTH if policy == "recompute" else FinishReason.ERROR
     assert finished == {"d-full": FinishReason.LENGTH, "d-partial": FinishReason.LENGTH,

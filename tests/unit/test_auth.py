@@ -10,10 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.prompts import prompt, remote, tokens
 from vllm_kvp2p.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.kv_groups import single_full_group
+from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Refused, address_problem, judge
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure
-from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 
 SECRET = b"0123456789abcdef-test-secret"
 NOW = 1_800_000_000_000  # ms
@@ -26,9 +29,13 @@ def auth(secret: bytes = SECRET, skew: float = 30.0) -> Authenticator:
 
 
 def issued(expires_ms: int = NOW + 120_000) -> RemotePrefill:
-    remote = RemotePrefill("P", "p-req", "10.0.0.7", 20000, [[10, 11, 12, 13]], "hold", PROMPT, BS,
-                           remote_incarnation="inc1")
-    return auth().sign_params(remote, expires_ms)
+    made = remote([[10, 11, 12, 13]], PROMPT, BS, host="10.0.0.7", port=20000, remote_incarnation="inc1")
+    return auth().sign_params(made, expires_ms)
+
+
+def unchecked(params: dict) -> object:
+    """The verdict on params without the secret's check (what D would do without the defence)."""
+    return judge(params, prompt(PROMPT), Decoder(BS, single_full_group(BS)))
 
 
 def test_signed_params_survive_the_json_round_trip_through_proxies() -> None:
@@ -43,7 +50,8 @@ def test_signed_params_survive_the_json_round_trip_through_proxies() -> None:
     ({"remote_host": "10.6.6.6"}, "signature does not match"),
     ({"remote_port": 20001}, "signature does not match"),
     ({"remote_block_ids": [[10, 11, 12, 14]]}, "signature does not match"),
-    ({"remote_num_tokens": 59}, "signature does not match"),
+    ({"remote_num_tokens": 59, "remote_prompt_digest": prompt_digest(tokens(59))}, "signature does not match"),
+    ({"remote_prompt_digest": prompt_digest(tokens(PROMPT, seed=9))}, "signature does not match"),
     ({"tp_size": 2}, "signature does not match"),
     ({"remote_incarnation": "inc2"}, "signature does not match"),
     ({"expires_ms": NOW + 10**9}, "signature does not match"),
@@ -54,7 +62,23 @@ def test_any_change_to_signed_params_is_refused(change: dict, expected: str) -> 
     assert tampered is not None
     assert expected in auth().params_problem(tampered, NOW)
     # Without the defence D would use them: they are valid params in every other respect.
-    assert tampered.problem(PROMPT) == ""
+    if "remote_prompt_digest" not in change or "remote_num_tokens" in change:
+        assert isinstance(unchecked(tampered.to_params()), Admitted)
+
+
+@pytest.mark.parametrize("mac", ["é" * 64, "\ud800" * 64, "A" * 64, "0" * 63, "0" * 65, "\u0660" * 64],
+                         ids=["latin", "surrogate", "upper-hex", "short", "long", "arabic-digits"])
+def test_a_malformed_signature_is_refused_without_an_exception(mac: str) -> None:
+    """compare_digest raises TypeError for non-ASCII str: the format is checked first, whatever a client sends."""
+    params = {**issued().to_params(), "mac": mac}
+    verdict = judge(params, prompt(PROMPT), Decoder(BS, single_full_group(BS)),
+                    lambda r: auth().params_problem(r, NOW))
+    assert isinstance(verdict, Refused) and verdict.failure in (Failure.UNAUTHENTICATED, Failure.INVALID_PARAMS)
+    assert not verdict.contact_p
+    with pytest.raises(TypeError):  # the hole the format check closes
+        import hmac
+
+        hmac.compare_digest("é" * 64, "a" * 64)
 
 
 def test_params_expire_after_their_expiry_plus_the_clock_skew() -> None:
@@ -72,14 +96,14 @@ def test_unauthenticated_params_make_d_contact_no_one() -> None:
     forged = {**issued().to_params(), "remote_host": "10.6.6.6"}
     a = auth()
     schedule = ConsumerSchedule(BS, authenticate=lambda r: a.params_problem(r, NOW))
-    assert schedule.matched_tokens("d1", forged, PROMPT, 0) == (PROMPT - 1, True)  # vLLM's policy ends it
-    plan = schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert schedule.matched_tokens("d1", forged, prompt(PROMPT), 0) == (PROMPT - 1, True)  # vLLM's policy ends it
+    plan = schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert plan is not None and not plan.contact_p and plan.error.startswith("unauthenticated kv_transfer_params")
     assert plan.failure is Failure.UNAUTHENTICATED
-    assert schedule.on_finished("d2", forged, PROMPT) is None  # no release to the forged address either
+    assert schedule.on_finished("d2", forged, prompt(PROMPT)) is None  # no release to the forged address either
     # Without the defence the same params plan a pull from 10.6.6.6.
     open_schedule = ConsumerSchedule(BS)
-    open_plan = open_schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    open_plan = open_schedule.on_alloc("d1", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert open_plan is not None and open_plan.contact_p and not open_plan.error
 
 
@@ -93,20 +117,20 @@ def test_one_admission_checks_the_signature_once() -> None:
         return a.params_problem(remote, NOW)
 
     schedule = ConsumerSchedule(BS, authenticate=authenticate)
-    assert schedule.matched_tokens("d1", params, PROMPT, 0) == (PROMPT, True)
-    plan = schedule.on_alloc("d1", params, PROMPT, [[1, 2, 3, 4]], 0, PROMPT)
+    assert schedule.matched_tokens("d1", params, prompt(PROMPT), 0) == (PROMPT, True)
+    plan = schedule.on_alloc("d1", params, PROMPT, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert plan is not None and plan.contact_p and not plan.error
     assert len(calls) == 1
     schedule.take_plans()
     # The kept check is for that pass and those params only: other params, or a later pass, are checked again.
     forged = {**params, "remote_host": "10.6.6.6"}
-    assert schedule.matched_tokens("d2", params, PROMPT, 0) == (PROMPT, True)
-    plan = schedule.on_alloc("d2", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert schedule.matched_tokens("d2", params, prompt(PROMPT), 0) == (PROMPT, True)
+    plan = schedule.on_alloc("d2", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert plan is not None and plan.failure is Failure.UNAUTHENTICATED and not plan.contact_p
     assert len(calls) == 3
-    assert schedule.matched_tokens("d3", params, PROMPT, 0) == (PROMPT, True)
+    assert schedule.matched_tokens("d3", params, prompt(PROMPT), 0) == (PROMPT, True)
     schedule.take_plans()
-    plan = schedule.on_alloc("d3", params, PROMPT, [[5, 6, 7, 8]], 0, PROMPT)
+    plan = schedule.on_alloc("d3", params, PROMPT, [[5, 6, 7, 8]], 0, prompt(PROMPT))
     assert plan is not None and not plan.error and len(calls) == 5
 
 
@@ -308,11 +332,11 @@ def test_peer_ports_bound_what_params_may_name() -> None:
     config = KVP2PConfig.from_sources({"peer_ports": "14600-14700"}, {})
     ranges = config.peer_port_ranges()
     params = {**issued().to_params(), "remote_port": 14690, "tp_size": 8}
-    remote = RemotePrefill.from_params(params)
-    assert "ports 14690..14697 not inside the allowed side-channel ports (14600..14696" in remote.address_problem(
-        ((14600, 14696),))
-    assert remote.address_problem(ranges) == ""
+    remote_params = RemotePrefill.from_params(params)
+    assert "ports 14690..14697 not inside the allowed side-channel ports (14600..14696" in address_problem(
+        remote_params, ((14600, 14696),))
+    assert address_problem(remote_params, ranges) == ""
     # The default: every port a side channel may use, never Mooncake's RPC range.
     default = KVP2PConfig().peer_port_ranges()
-    assert RemotePrefill.from_params({**params, "remote_port": 15500}).address_problem(default)
-    assert RemotePrefill.from_params({**params, "remote_port": 80}).address_problem(default)
+    assert address_problem(RemotePrefill.from_params({**params, "remote_port": 15500}), default)
+    assert address_problem(RemotePrefill.from_params({**params, "remote_port": 80}), default)

@@ -59,9 +59,18 @@ def test_set_host_wins_over_detection_and_bind_host_over_it() -> None:
     c = KVP2PConfig.from_sources({"bind_host": "0.0.0.0"}, env={"VLLM_KVP2P_HOST": " 127.0.0.1 "})
     assert c.advertised_host(detect) == "127.0.0.1"
     assert c.side_channel_bind_host(c.advertised_host(detect)) == "0.0.0.0"
-    env = {"VLLM_KVP2P_BIND_HOST": "10.0.0.9", "VLLM_KVP2P_HOST": "p-0.prefill.svc"}
+    env = {"VLLM_KVP2P_BIND_HOST": "10.0.0.9", "VLLM_KVP2P_HOST": "fd00::7"}
     c = KVP2PConfig.from_sources({}, env=env)
-    assert (c.advertised_host(detect), c.side_channel_bind_host("p-0.prefill.svc")) == ("p-0.prefill.svc", "10.0.0.9")
+    assert (c.advertised_host(detect), c.side_channel_bind_host("fd00::7")) == ("fd00::7", "10.0.0.9")
+
+
+def test_a_host_name_is_advertised_as_its_address_resolved_once_at_start_up() -> None:
+    """D accepts only addresses in params (nothing on the request path waits for a resolver): P resolves a name
+    it is given when it starts, or refuses to start naming the setting."""
+    c = KVP2PConfig.from_sources({}, env={"VLLM_KVP2P_HOST": "localhost"})
+    assert c.advertised_host(lambda: "") in ("127.0.0.1", "::1")
+    with pytest.raises(ConfigError, match="host='no-such-host.invalid' does not resolve.*VLLM_KVP2P_HOST"):
+        KVP2PConfig.from_sources({}, env={"VLLM_KVP2P_HOST": "no-such-host.invalid"}).advertised_host(lambda: "")
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from tests.support.prompts import prompt, remote
 from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, LocalKV, Source
@@ -31,14 +32,14 @@ def test_blocks_a_decoder_needs_per_group() -> None:
 
 
 def hybrid_params(lists: list[list[int]], num_tokens: int, block_size: int = BS) -> dict:
-    return RemotePrefill("P", "p-req", "127.0.0.1", 9000, lists, "hold", num_tokens, block_size).to_params()
+    return remote(lists, num_tokens, block_size).to_params()
 
 
 def test_sliding_group_pairs_the_tails_of_both_lists() -> None:
     s = ConsumerSchedule(BS, (FULL_G, SLIDING_G))
     params = hybrid_params([list(range(100, 110)), [106, 107, 108, 109]], 150)
     # D: 10 full blocks; its sliding group got 4 in-window blocks (vLLM nulls the older ones).
-    plan = s.on_alloc("d1", params, 150, [list(range(1, 11)), [21, 22, 23, 24]], 0)
+    plan = s.on_alloc("d1", params, 150, [list(range(1, 11)), [21, 22, 23, 24]], 0, prompt(150))
     assert plan is not None and plan.error == ""
     assert plan.local_block_ids == (tuple(range(1, 11)), (21, 22, 23, 24))
     assert plan.remote_block_ids == (tuple(range(100, 110)), (106, 107, 108, 109))
@@ -48,7 +49,7 @@ def test_sliding_group_pairs_the_tails_of_both_lists() -> None:
 def test_local_prefix_hit_pulls_the_rest_of_each_group() -> None:
     s = ConsumerSchedule(BS, (FULL_G, SLIDING_G))
     params = hybrid_params([list(range(100, 110)), [106, 107, 108, 109]], 150)
-    plan = s.on_alloc("d1", params, 86, [[5, 6, 7, 8], [31, 32]], 64)  # 4 blocks cached locally
+    plan = s.on_alloc("d1", params, 86, [[5, 6, 7, 8], [31, 32]], 64, prompt(150))  # 4 blocks cached locally
     assert plan is not None and plan.error == ""
     assert plan.remote_block_ids == ((106, 107, 108, 109), (108, 109))
 
@@ -56,30 +57,34 @@ def test_local_prefix_hit_pulls_the_rest_of_each_group() -> None:
 @pytest.mark.parametrize(("lists", "tokens", "block_size", "message"), [
     ([[1, 2]], 20, BS, "KV-cache groups differ: P sent 1, D has 2"),
     ([[1], [2]], 20, 32, "hybrid models need one block size: P uses 32, D 16"),
-    ([[1, 2], [2]], 30, BS, "P computed 30 tokens, D loads 20"),
-    ([[1, 2], []], 20, BS, "group 1 (sliding window 40): P offers 0 blocks, D needs 2"),
+    ([[1, 2], [2]], 30, BS, "remote_num_tokens 30 outside 1..20 (the prompt)"),
+    ([[1, 2], []], 20, BS, "remote_block_ids[1] has 0 blocks; 20 tokens in blocks of 16 need exactly 2 (sliding"),
+    ([[1, 2], [2]], 20, BS, "remote_block_ids[1] has 1 blocks; 20 tokens in blocks of 16 need exactly 2"),
+    ([[1, 2, 3], [2, 3]], 20, BS, "remote_block_ids[0] has 3 blocks; 20 tokens in blocks of 16 need exactly 2"),
+    ([[1, 1], [2, 3]], 20, BS, "remote_block_ids[0] repeats a block id or names block 0"),
+    ([[0, 1], [2, 3]], 20, BS, "remote_block_ids[0] repeats a block id or names block 0"),
 ])
 def test_hybrid_plans_that_cannot_work_fail_with_a_reason(lists: list[list[int]], tokens: int, block_size: int,
                                                           message: str) -> None:
     s = ConsumerSchedule(BS, (FULL_G, SLIDING_G))
-    plan = s.on_alloc("d1", hybrid_params(lists, tokens, block_size), 20, [[5, 6], [5, 6]], 0)
+    plan = s.on_alloc("d1", hybrid_params(lists, tokens, block_size), 20, [[5, 6], [5, 6]], 0, prompt(20))
     assert plan is not None and plan.awaiting and message in plan.error
 
 
 def test_a_state_model_loads_all_but_the_last_prompt_token() -> None:
     s = ConsumerSchedule(BS, (STATE_G, FULL_G))
     params = hybrid_params([[7], [1, 2, 3, 4]], 59)  # P prefilled 59 of the 60 prompt tokens
-    assert s.matched_tokens("d1", params, 60, 0) == (59, True)
+    assert s.matched_tokens("d1", params, prompt(60), 0) == (59, True)
     # A P that did not hold the last token back (60 computed): D still loads 59, and the plan refuses the
     # mismatch rather than apply the last token to the state twice.
     stale = hybrid_params([[7], [1, 2, 3, 4]], 60)
-    assert s.matched_tokens("d2", stale, 60, 0) == (59, True)
-    plan = s.on_alloc("d2", stale, 59, [[9], [11, 12, 13, 14]], 0)
+    assert s.matched_tokens("d2", stale, prompt(60), 0) == (59, True)
+    plan = s.on_alloc("d2", stale, 59, [[9], [11, 12, 13, 14]], 0, prompt(60))
     assert plan is not None and "P computed 60 tokens, D loads 59" in plan.error
-    plan = s.on_alloc("d1", params, 59, [[9], [11, 12, 13, 14]], 0)
+    plan = s.on_alloc("d1", params, 59, [[9], [11, 12, 13, 14]], 0, prompt(60))
     assert plan is not None and plan.error == "" and plan.local_block_ids == ((9,), (11, 12, 13, 14))
     assert plan.remote_block_ids == ((7,), (1, 2, 3, 4))
-    assert s.matched_tokens("d3", hybrid_params([[7], [1]], 1), 1, 0) == (0, False)  # nothing to load
+    assert s.matched_tokens("d3", hybrid_params([[7], [1]], 1), prompt(1), 0) == (0, False)  # nothing to load
 
 
 # ----------------------------------------------------------------------------- pull

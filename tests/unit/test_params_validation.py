@@ -1,75 +1,128 @@
-"""kv_transfer_params come from any client of D's HTTP API: every field is checked before D plans anything, and
-params that fail a check end the request without any network call (no claim, no release). Pure, no I/O."""
+"""kv_transfer_params come from any client of D's HTTP API: one verdict (vllm_kvp2p/lifecycle/admission.py)
+checks every field before D plans anything, and params that fail a check end the request without any network call
+(no claim, and no release unless P's address is valid). Pure, no I/O."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from tests.support.prompts import prompt, remote, tokens
+from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, single_full_group
+from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Refused, judge
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, Finish, LocalKV, SendClaim, SendRelease, Source
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
+from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill, prompt_digest
 from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 BS = 16
 PROMPT = 60
+DECODER = Decoder(BS, single_full_group(BS))
 
 
 def good(**change: object) -> dict:
-    params = RemotePrefill("P", "p-req", "10.0.0.7", 20000, [[10, 11, 12, 13]], "hold", PROMPT, BS).to_params()
+    params = remote([[10, 11, 12, 13]], PROMPT, BS, host="10.0.0.7", port=20000).to_params()
     params.update(change)
     return params
 
 
+def verdict(params: object, n: int = PROMPT, decoder: Decoder = DECODER, seed: int = 0):
+    return judge(params, prompt(n, seed), decoder)
+
+
 @pytest.mark.parametrize(("change", "field"), [
-    ({"tp_size": 2_000_000}, "tp_size 2000000 outside 1..1024"),
-    ({"tp_size": -3}, "tp_size -3"),
-    ({"tp_size": 0}, "tp_size 0"),
+    ({"tp_size": 2_000_000}, "$.tp_size"),
+    ({"tp_size": -3}, "$.tp_size"),
+    ({"tp_size": 0}, "$.tp_size"),
+    ({"tp_size": "2"}, "$.tp_size"),
     ({"remote_port": 65535, "tp_size": 2}, "remote_port 65535 with tp_size 2"),
-    ({"remote_port": 0}, "remote_port 0"),
+    ({"remote_port": 0}, "$.remote_port"),
     ({"remote_host": "evil host;rm"}, "remote_host"),
-    ({"remote_host": "a" * 300}, "remote_host"),
-    ({"remote_engine_id": ""}, "remote_engine_id must have 1..256 characters, has 0"),
-    ({"remote_hold_id": "h" * 10_000}, "remote_hold_id must have 1..256 characters, has 10000"),
-    ({"remote_block_size": 0}, "remote_block_size 0"),
+    ({"remote_host": "a" * 300}, "$.remote_host"),
+    ({"remote_host": "p-0.prefill.svc.cluster.local"}, "is not an IP address"),
+    ({"remote_engine_id": ""}, "$.remote_engine_id"),
+    ({"remote_engine_id": None}, "$.remote_engine_id"),
+    ({"remote_hold_id": "h" * 10_000}, "$.remote_hold_id"),
+    ({"remote_hold_id": "h\ud800"}, "remote_hold_id is not valid Unicode"),
+    ({"remote_block_size": 0}, "$.remote_block_size"),
     ({"remote_num_tokens": 10**9}, "remote_num_tokens 1000000000 outside 1..60 (the prompt)"),
-    ({"remote_num_tokens": -5}, "remote_num_tokens -5"),
-    ({"remote_block_ids": []}, "remote_block_ids has 0 groups"),
-    ({"remote_block_ids": [[1]] * 65}, "remote_block_ids has 65 groups"),
-    ({"remote_block_ids": [[-1, -2, -3]]}, "remote_block_ids[0] holds a negative or repeated block id"),
-    ({"remote_block_ids": [[5, 5]]}, "remote_block_ids[0] holds a negative or repeated block id"),
-    ({"remote_block_ids": [list(range(200_000))]}, "remote_block_ids[0] has 200000 blocks; 60 tokens fill at most 4"),
+    ({"remote_num_tokens": 10**30}, "$.remote_num_tokens"),
+    ({"remote_num_tokens": -5}, "$.remote_num_tokens"),
+    ({"remote_block_ids": []}, "$.remote_block_ids"),
+    ({"remote_block_ids": [[1]] * 65}, "$.remote_block_ids"),
+    ({"remote_block_ids": [[-1, -2, -3, -4]]}, "$.remote_block_ids[0][0]"),
+    ({"remote_block_ids": [[2**63, 1, 2, 3]]}, "$.remote_block_ids[0][0]"),
+    ({"remote_block_ids": [[5, 5, 6, 7]]}, "remote_block_ids[0] repeats a block id"),
+    ({"remote_block_ids": [[0, 5, 6, 7]]}, "names block 0 (vLLM's null block)"),
+    ({"remote_block_ids": [list(range(1, 200_001))]}, "remote_block_ids[0] has 200000 blocks; 60 tokens in blocks "
+                                                      "of 16 need exactly 4"),
+    ({"remote_block_ids": [[10]]}, "remote_block_ids[0] has 1 blocks; 60 tokens in blocks of 16 need exactly 4"),
+    ({"remote_block_ids": [[10, 11, 12, 13], [1]]}, "KV-cache groups differ: P sent 2, D has 1"),
+    ({"remote_block_size": 24}, "block sizes incompatible: P uses 24, D uses 16"),
+    ({"remote_prompt_digest": ""}, "remote_prompt_digest is missing"),
+    ({"remote_prompt_digest": prompt_digest(tokens(PROMPT, seed=1))}, "remote_prompt_digest does not match"),
+    ({"remote_block_ids": {"0": [1]}}, "$.remote_block_ids"),
+    ({"do_remote_decode": "no"}, "$.do_remote_decode"),
 ])
-def test_each_bad_field_is_named(change: dict, field: str) -> None:
-    remote = RemotePrefill.from_params(good(**change))
-    assert remote is not None
-    assert field in remote.problem(PROMPT)
+def test_each_bad_field_is_named_and_refused(change: dict, field: str) -> None:
+    refused = verdict(good(**change))
+    assert isinstance(refused, Refused) and field in refused.reason, refused
+    assert refused.failure is Failure.INVALID_PARAMS
 
 
-def test_good_params_and_large_but_plausible_ids_pass() -> None:
-    assert RemotePrefill.from_params(good()).problem(PROMPT) == ""
-    assert RemotePrefill.from_params(good(remote_host="p-0.prefill.svc.cluster.local")).problem(PROMPT) == ""
-    assert RemotePrefill.from_params(good(remote_host="fd00::7")).problem(PROMPT) == ""
+def test_good_params_pass() -> None:
+    assert verdict(good()) == Admitted(RemotePrefill.from_params(good()), PROMPT)
+    assert isinstance(verdict(good(remote_host="fd00::7")), Admitted)
     # Out of P's range, but only P's registration knows: refused at pull time (descriptors), not here.
-    assert RemotePrefill.from_params(good(remote_block_ids=[[2**62, 2**63 - 1]])).problem(PROMPT) == ""
+    assert isinstance(verdict(good(remote_block_ids=[[2**62 - 4, 2**62 - 3, 2**62 - 2, 2**62 - 1]])), Admitted)
+    assert verdict({"do_remote_decode": True}) is None and verdict(None) is None and verdict([1]) is None
+
+
+def test_params_bind_the_prompt_they_were_issued_for() -> None:
+    """Params for prompt A sent with prompt B (a client, or a router mixing up requests): refused before anything
+    is contacted but P's own address, to release its hold. Without the binding they were planned and read."""
+    params = good()
+    other = verdict(params, seed=1)
+    assert isinstance(other, Refused) and "remote_prompt_digest does not match" in other.reason and other.contact_p
+    longer = verdict(params, n=PROMPT + 40)  # B starts with A: P's KV of A's tokens is B's too
+    assert isinstance(longer, Admitted) and longer.load_end == PROMPT
+    unbound = {k: v for k, v in params.items() if k != "remote_prompt_digest"}
+    assert isinstance(verdict(unbound, seed=1), Refused)
+    # Without the digest check, B's request was admitted with A's KV (the bug this closes):
+    assert RemotePrefill.from_params(unbound) is not None and len(params["remote_block_ids"][0]) == 4
+
+
+@pytest.mark.parametrize(("groups", "lists", "n", "ok"), [
+    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [2, 3, 4]], 60, False),  # window needs 4
+    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [1, 2, 3, 4]], 60, True),
+    ((KVGroup(SLIDING, BS, 40),), [[3, 4]], 20, True),
+    ((KVGroup(SLIDING, BS, 40),), [[4]], 20, False),
+    ((KVGroup(STATE, BS), KVGroup(FULL, BS)), [[7], [1, 2, 3, 4]], 59, True),
+    ((KVGroup(STATE, BS), KVGroup(FULL, BS)), [[7, 8], [1, 2, 3, 4]], 59, False),
+    ((KVGroup(STATE, BS), KVGroup(FULL, BS)), [[], [1, 2, 3, 4]], 59, False),
+])
+def test_every_group_offers_exactly_what_vllm_allocates(groups, lists, n, ok) -> None:
+    decoder = Decoder(BS, groups)
+    result = verdict(remote(lists, n, BS).to_params(), n=PROMPT, decoder=decoder)
+    assert isinstance(result, Admitted if ok else Refused), result
 
 
 def test_invalid_params_fail_the_plan_without_contacting_anyone() -> None:
     s = ConsumerSchedule(BS)
     bad = good(tp_size=2_000_000)
     # vLLM is asked to wait, so that its kv_load_failure_policy ends the request (recompute, or an error).
-    assert s.matched_tokens("d1", bad, PROMPT, 0) == (PROMPT - 1, True)
-    plan = s.on_alloc("d1", bad, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
+    assert s.matched_tokens("d1", bad, prompt(PROMPT), 0) == (PROMPT - 1, True)
+    plan = s.on_alloc("d1", bad, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert plan is not None and plan.awaiting and not plan.contact_p
-    assert plan.error == "invalid kv_transfer_params: tp_size 2000000 outside 1..1024"
-    assert s.on_finished("d2", bad, PROMPT) is None  # a request that never got blocks: no release either
+    assert plan.error.startswith("invalid kv_transfer_params: ") and "$.tp_size" in plan.error
+    assert s.on_finished("d2", bad, prompt(PROMPT)) is None  # a request that never got blocks: no release either
     # Params whose address is valid but whose content is not: nothing is read, but P is released.
-    content = good(remote_block_ids=[[-1]])
-    readable = s.on_alloc("d3", content, PROMPT - 1, [[1, 2, 3, 4]], 0, PROMPT)
-    assert readable is not None and readable.contact_p and "negative or repeated block id" in readable.error
-    released = s.on_finished("d4", content, PROMPT)
+    content = good(remote_block_ids=[[10, 10, 11, 12]])
+    readable = s.on_alloc("d3", content, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
+    assert readable is not None and readable.contact_p and "repeats a block id" in readable.error
+    released = s.on_finished("d4", content, prompt(PROMPT))
     assert released is not None and not released.awaiting and released.num_blocks == 0
 
     shape = BlockShape(True, 2, BS, 16)
@@ -77,7 +130,7 @@ def test_invalid_params_fail_the_plan_without_contacting_anyone() -> None:
     job = ConsumerPull(plan, [Source(0)], "d:0", local, claim_wait=1.0, max_batch_entries=64, now=0.0)
     action = job.next_action(0.0)
     assert isinstance(action, Finish)  # no registration, claim or release: nothing goes out
-    assert action.result.report_failed and "tp_size 2000000" in action.result.reason
+    assert action.result.report_failed and "$.tp_size" in action.result.reason
     assert action.result.failure is Failure.INVALID_PARAMS
 
 
@@ -101,9 +154,9 @@ def registration(**change: object) -> RankRegistration:
 
 
 def pull(**params: object) -> ConsumerPull:
-    remote = RemotePrefill.from_params(good(remote_incarnation="inc1", **params))
-    ids = tuple(remote.remote_block_ids[0])
-    plan = PullPlan("d1", remote, ((1, 2, 3, 4),), (ids,), awaiting=True)
+    remote_params = RemotePrefill.from_params(good(remote_incarnation="inc1", **params))
+    ids = tuple(remote_params.remote_block_ids[0])
+    plan = PullPlan("d1", remote_params, ((1, 2, 3, 4),), (ids,), awaiting=True)
     job = ConsumerPull(plan, [Source(0, 1, (HeadSlice(0, 0, 0, 2),))], "d:0", LOCAL, claim_wait=1.0,
                        max_batch_entries=64, now=0.0)
     assert isinstance(job.next_action(0.0), FetchRegistration)
@@ -132,7 +185,7 @@ def test_a_registration_is_checked_against_the_params_and_this_d(change: dict, p
 def test_an_unanswered_release_stops_the_releases_to_that_p() -> None:
     """Addressable params naming 1024 ranks of a P that does not answer: one release times out, the other 1023
     are not tried (each would wait for the side-channel timeout)."""
-    plan = ConsumerSchedule(BS).on_finished("d1", good(tp_size=1024), PROMPT)
+    plan = ConsumerSchedule(BS).on_finished("d1", good(tp_size=1024), prompt(PROMPT))
     assert plan is not None and plan.contact_p
     job = ConsumerPull(plan, [Source(r) for r in range(1024)], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=64,
                        now=0.0)
@@ -157,8 +210,8 @@ def test_an_unanswered_release_stops_the_releases_to_that_p() -> None:
 def test_one_deadline_bounds_the_whole_pull_and_its_releases() -> None:
     """P keeps answering "not yet" (or a client's params keep D busy): at pull_timeout the pull fails; the
     releases then get side_channel_timeout more, and past that none is sent."""
-    remote = RemotePrefill.from_params(good(tp_size=4))
-    plan = PullPlan("d1", remote, ((1, 2, 3, 4),), ((10, 11, 12, 13),), awaiting=True)
+    plan = PullPlan("d1", RemotePrefill.from_params(good(tp_size=4)), ((1, 2, 3, 4),), ((10, 11, 12, 13),),
+                    awaiting=True)
     sources = [Source(0, 1, (HeadSlice(0, 0, 0, 2),))] + [Source(r) for r in (1, 2, 3)]
     job = ConsumerPull(plan, sources, "d:0", LOCAL, claim_wait=1e9, max_batch_entries=64, now=0.0, timeout=20.0,
                        release_timeout=5.0)

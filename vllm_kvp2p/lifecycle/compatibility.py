@@ -7,6 +7,7 @@ before it is cached or read (docs/security.md).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,8 +33,7 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
                 f"{reg.incarnation or 'none'}")
     if reg.tp_rank != source.p_rank or reg.tp_size != r.tp_size:
         return f"it is rank {reg.tp_rank} of {reg.tp_size}, the params name rank {source.p_rank} of {r.tp_size}"
-    segment_host = reg.segment.rpartition(":")[0].strip("[]")
-    if segment_host != r.remote_host.strip("[]"):
+    if not _same_address(reg.segment.rpartition(":")[0], r.remote_host):
         return (f"its Mooncake segment {reg.segment!r} is not on the params' host {r.remote_host!r}; D reads only "
                 "from the host it was sent to")
     if local.model_fingerprint and reg.model_fingerprint != local.model_fingerprint:
@@ -68,6 +68,14 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
     if reg.block_size % local.block_size and local.block_size % reg.block_size:
         return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
     return ""
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Two IP addresses, however written (``::1`` and ``0:0::1``); a name is never equal to anything."""
+    try:
+        return ipaddress.ip_address(a.strip("[]")) == ipaddress.ip_address(b.strip("[]"))
+    except ValueError:
+        return False
 
 
 def _interior(shape: BlockShape) -> tuple[object, ...]:

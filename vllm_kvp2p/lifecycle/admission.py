@@ -1,0 +1,191 @@
+"""D side, scheduler half: the one verdict on a request's ``kv_transfer_params``. Pure: no sockets, threads,
+clocks or torch (the clock behind a signature's expiry is inside the ``authenticate`` callable).
+
+Any client of D's HTTP API can send any JSON as params, so every check of them against D's request is made here
+and nowhere else, in this order:
+
+1. they convert to :class:`~vllm_kvp2p.protocol.RemotePrefill` (types and absolute bounds are part of the type;
+   a value outside them is refused naming its field), and every text field is valid Unicode;
+2. with a shared secret, P signed them, unchanged and unexpired (vllm_kvp2p/auth.py);
+3. P's address: an IP address (never a name: nothing on the request path resolves names, and the Mooncake segment
+   P registers is compared with it as an address), its side-channel ports inside ``peer_ports``;
+4. they are for this prompt: ``remote_prompt_digest`` equals the digest of the request's own first
+   ``remote_num_tokens`` tokens (vllm_kvp2p/protocol.py, ``prompt_digest``);
+5. coverage is exact: every KV-cache group offers exactly the blocks vLLM allocated for ``remote_num_tokens`` of
+   that group's kind (kv_groups.needed_count), none repeated and none vLLM's null block, so D never tells vLLM it
+   loads a token whose bytes the plan does not read.
+
+The verdict is :class:`Admitted` (with the tokens D loads) or :class:`Refused` (the reason, its kind, and whether
+P may still be contacted to release its hold: only when P's address is valid and, with a secret, authentic).
+What P's side channel answers (its registration) is checked at pull time, in lifecycle/compatibility.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from vllm_kvp2p.kv_groups import FULL, NULL_BLOCK_ID, KVGroup, has_state, needed_count, prompt_blocks
+from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
+
+#: Characters of a reason kept (it quotes what the client sent; it goes to a WARNING and to the client).
+MAX_REASON = 500
+#: Stands in for params that did not convert: nothing in it is ever contacted (contact_p is False).
+UNPARSED = RemotePrefill("", "", "-", 1, [[]], "", 1, 1)
+
+_TEXT_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_hold_id", "remote_incarnation",
+                "remote_prompt_digest", "mac")
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What D knows about itself that the params are checked against."""
+
+    block_size: int
+    groups: tuple[KVGroup, ...]
+    peer_ports: PortRanges = ANY_PORT
+
+    @property
+    def holdback(self) -> int:
+        """A recurrent state cannot be rewound: D loads all but the last prompt token and computes that one itself
+        (P prefills as many, see vllm_kvp2p/kv_groups.py)."""
+        return 1 if has_state(self.groups) else 0
+
+    @property
+    def single_full_group(self) -> bool:
+        """A model without the hybrid allocator's groups: P's block size may differ from D's."""
+        return len(self.groups) == 1 and self.groups[0].kind == FULL
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """D's request as the verdict needs it: its length and the digest of its first ``n`` tokens."""
+
+    num_tokens: int
+    digest: Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class Admitted:
+    remote: RemotePrefill
+    load_end: int  # D loads the prompt's tokens [0, load_end) from P (beyond its own prefix-cache hit)
+
+
+@dataclass(frozen=True)
+class Refused:
+    remote: RemotePrefill  # as converted (UNPARSED when they did not convert)
+    reason: str
+    failure: Failure
+    contact_p: bool  # P's address is valid and, with a secret, authentic: release its hold
+
+
+Verdict = Admitted | Refused
+
+
+def asks_remote_prefill(params: object) -> bool:
+    """Whether the request wants its prompt's KV from P at all (else it is none of the connector's business)."""
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
+def judge(params: object, prompt: Prompt, decoder: Decoder,
+          authenticate: Callable[[RemotePrefill], str] | None = None) -> Verdict | None:
+    """The verdict on ``params`` for ``prompt``; None when they do not ask for a remote prefill.
+
+    ``authenticate``: with a shared secret, why the params are not P's ("" when they are)."""
+    if not asks_remote_prefill(params):
+        return None
+    try:
+        remote = msgspec.convert(params, RemotePrefill, strict=True)
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        return _refused(UNPARSED, f"invalid kv_transfer_params: {exc}", Failure.INVALID_PARAMS, False)
+    broken = next((name for name in _TEXT_FIELDS if not _is_unicode(getattr(remote, name))), None)
+    if broken is not None:
+        return _refused(remote, f"invalid kv_transfer_params: {broken} is not valid Unicode (a lone surrogate)",
+                        Failure.INVALID_PARAMS, False)
+    if authenticate is not None:
+        why = authenticate(remote)
+        if why:
+            return _refused(remote, f"unauthenticated kv_transfer_params: {why}", Failure.UNAUTHENTICATED, False)
+    address = address_problem(remote, decoder.peer_ports)
+    if address:
+        return _refused(remote, f"invalid kv_transfer_params: {address}", Failure.INVALID_PARAMS, False)
+    content = _content_problem(remote, prompt, decoder)
+    if content:
+        return _refused(remote, f"invalid kv_transfer_params: {content}", Failure.INVALID_PARAMS, True)
+    return Admitted(remote, min(remote.remote_num_tokens, prompt.num_tokens - decoder.holdback))
+
+
+def address_problem(remote: RemotePrefill, port_ranges: PortRanges = ANY_PORT) -> str:
+    """What makes P's side channel unaddressable ("" if nothing): then D contacts no one, not even to release.
+    Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``, all inside
+    one of ``port_ranges`` (inclusive; the ``peer_ports`` setting)."""
+    last = remote.remote_port + remote.tp_size - 1
+    if not any(lo <= remote.remote_port and last <= hi for lo, hi in port_ranges):
+        allowed = ", ".join(f"{lo}..{hi}" for lo, hi in port_ranges)
+        return (f"remote_port {remote.remote_port} with tp_size {remote.tp_size}: ports {remote.remote_port}..{last} "
+                f"not inside the allowed side-channel ports ({allowed}; the peer_ports setting)")
+    if not is_address(remote.remote_host):
+        return f"remote_host {remote.remote_host[:80]!r} is not an IP address (P advertises its address, not a name)"
+    return ""
+
+
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _content_problem(remote: RemotePrefill, prompt: Prompt, decoder: Decoder) -> str:
+    """Whether the params are for this prompt and offer exactly what D will be told it loads."""
+    n = remote.remote_num_tokens
+    if n > prompt.num_tokens:
+        return f"remote_num_tokens {n} outside 1..{prompt.num_tokens} (the prompt)"
+    if not remote.remote_prompt_digest:
+        return "remote_prompt_digest is missing (P of an older release, or params not issued by P)"
+    if remote.remote_prompt_digest != prompt.digest(n):
+        return (f"remote_prompt_digest does not match this request's first {n} prompt tokens (params issued for "
+                "another prompt)")
+    offered = remote.remote_block_ids
+    p_bs, d_bs = remote.remote_block_size, decoder.block_size
+    if len(offered) != len(decoder.groups):
+        return (f"KV-cache groups differ: P sent {len(offered)}, D has {len(decoder.groups)} (P and D must serve the "
+                "same model with the same hybrid-allocator setting)")
+    if decoder.single_full_group:
+        if p_bs % d_bs and d_bs % p_bs:
+            return f"block sizes incompatible: P uses {p_bs}, D uses {d_bs}; one must divide the other"
+        expected: Sequence[int] = (prompt_blocks(n, p_bs),)
+    else:
+        if p_bs != d_bs:
+            return f"hybrid models need one block size: P uses {p_bs}, D {d_bs}"
+        if n > prompt.num_tokens - decoder.holdback:
+            return (f"P computed {n} tokens, D loads {prompt.num_tokens - decoder.holdback}: models with a "
+                    "linear-attention state pull all but the prompt's last token")
+        expected = tuple(needed_count(g, n) for g in decoder.groups)
+    for i, (ids, want) in enumerate(zip(offered, expected)):
+        if len(ids) != want:
+            kind = decoder.groups[i].describe() if not decoder.single_full_group else "full attention"
+            return (f"remote_block_ids[{i}] has {len(ids)} blocks; {n} tokens in blocks of {p_bs} need exactly "
+                    f"{want} ({kind})")
+        if NULL_BLOCK_ID in ids or len(set(ids)) != len(ids):
+            return f"remote_block_ids[{i}] repeats a block id or names block {NULL_BLOCK_ID} (vLLM's null block)"
+    return ""
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refused(remote: RemotePrefill, reason: str, failure: Failure, contact_p: bool) -> Refused:
+    if len(reason) > MAX_REASON:
+        reason = reason[:MAX_REASON] + " [cut]"
+    return Refused(remote, reason, failure, contact_p)

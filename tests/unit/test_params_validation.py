@@ -82,10 +82,11 @@ def test_good_params_pass() -> None:
 
 def test_params_bind_the_prompt_they_were_issued_for() -> None:
     """Params for prompt A sent with prompt B (a client, or a router mixing up requests): refused before anything
-    is contacted but P's own address, to release its hold. Without the binding they were planned and read."""
+    is contacted (A's request may still claim the hold). Without the binding they were planned and read."""
     params = good()
     other = verdict(params, seed=1)
-    assert isinstance(other, Refused) and "remote_prompt_digest does not match" in other.reason and other.contact_p
+    assert isinstance(other, Refused) and "remote_prompt_digest does not match" in other.reason
+    assert not other.contact_p  # the hold is another request's: D neither reads nor releases it
     longer = verdict(params, n=PROMPT + 40)  # B starts with A: P's KV of A's tokens is B's too
     assert isinstance(longer, Admitted) and longer.load_end == PROMPT
     unbound = {k: v for k, v in params.items() if k != "remote_prompt_digest"}

@@ -10,7 +10,8 @@ and nowhere else, in this order:
 3. P's address: an IP address (never a name: nothing on the request path resolves names, and the Mooncake segment
    P registers is compared with it as an address), its side-channel ports inside ``peer_ports``;
 4. they are for this prompt: ``remote_prompt_digest`` equals the digest of the request's own first
-   ``remote_num_tokens`` tokens (vllm_kvp2p/protocol.py, ``prompt_digest``);
+   ``remote_num_tokens`` tokens (vllm_kvp2p/protocol.py, ``prompt_digest``); if not, D contacts no one (the hold
+   is another request's, which may still claim it);
 5. coverage is exact: every KV-cache group offers exactly the blocks vLLM allocated for ``remote_num_tokens`` of
    that group's kind (kv_groups.needed_count), none repeated and none vLLM's null block, so D never tells vLLM it
    loads a token whose bytes the plan does not read.
@@ -113,6 +114,11 @@ def judge(params: object, prompt: Prompt, decoder: Decoder,
     address = address_problem(remote, decoder.peer_ports)
     if address:
         return _refused(remote, f"invalid kv_transfer_params: {address}", Failure.INVALID_PARAMS, False)
+    binding = _binding_problem(remote, prompt)
+    if binding:
+        # Another request's params (a client, or a router that mixed requests up): that request may still claim
+        # the hold, so D does not release it; P's hold timeout ends it otherwise.
+        return _refused(remote, f"invalid kv_transfer_params: {binding}", Failure.INVALID_PARAMS, False)
     content = _content_problem(remote, prompt, decoder)
     if content:
         return _refused(remote, f"invalid kv_transfer_params: {content}", Failure.INVALID_PARAMS, True)
@@ -141,8 +147,8 @@ def is_address(host: str) -> bool:
     return True
 
 
-def _content_problem(remote: RemotePrefill, prompt: Prompt, decoder: Decoder) -> str:
-    """Whether the params are for this prompt and offer exactly what D will be told it loads."""
+def _binding_problem(remote: RemotePrefill, prompt: Prompt) -> str:
+    """Whether the params are for this prompt: P's digest of the tokens it offers equals this request's."""
     n = remote.remote_num_tokens
     if n > prompt.num_tokens:
         return f"remote_num_tokens {n} outside 1..{prompt.num_tokens} (the prompt)"
@@ -151,6 +157,12 @@ def _content_problem(remote: RemotePrefill, prompt: Prompt, decoder: Decoder) ->
     if remote.remote_prompt_digest != prompt.digest(n):
         return (f"remote_prompt_digest does not match this request's first {n} prompt tokens (params issued for "
                 "another prompt)")
+    return ""
+
+
+def _content_problem(remote: RemotePrefill, prompt: Prompt, decoder: Decoder) -> str:
+    """Whether the params offer exactly what D will be told it loads."""
+    n = remote.remote_num_tokens
     offered = remote.remote_block_ids
     p_bs, d_bs = remote.remote_block_size, decoder.block_size
     if len(offered) != len(decoder.groups):

@@ -120,6 +120,24 @@ def test_d_local_hit_ending_inside_a_bigger_p_block(cluster: PDCluster, big_engi
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == len(prompt) - 32
 
 
+def test_a_cut_block_list_on_the_sliced_path_is_refused(cluster: PDCluster, big_engines) -> None:
+    """P (32) -> D (64), the block list cut to one of P's blocks while the params still claim the whole prompt,
+    after D's cache was filled by other prompts: refused, D recomputes (before: 4 KiB of 128 KB read, reported
+    pulled, the rest an earlier request's KV)."""
+    _, d64 = big_engines
+    for seed in range(6):
+        post(d64.url + "/v1/completions", {"model": "tiny", "prompt": prompt_ids(200, seed=7000 + seed),
+                                           "max_tokens": 1})
+    prompt = prompt_ids(200, seed=6464 + 1)
+    params = prefill(cluster.prefill, prompt)
+    params["remote_block_ids"] = [params["remote_block_ids"][0][:1]]
+    out = post(d64.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and "need exactly 7" in report["reason"] and report["bytes"] == 0, report
+    assert max_logprob_gap(out, own_answer(cluster.prefill, prompt)) <= LOGPROB_TOL
+    check(cluster.prefill, d64, prompt_ids(200, seed=6464 + 2))  # a normal P/D request afterwards
+
+
 def test_corrupted_transfer_between_block_sizes_changes_the_answer(cluster: PDCluster, big_engines) -> None:
     _, d64 = big_engines
     prompt = prompt_ids(150, seed=6464)

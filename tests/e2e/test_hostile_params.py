@@ -140,6 +140,29 @@ def test_under_the_fail_policy_bad_params_end_with_an_error_and_a_warning_naming
     assert wait_kv_idle(failing_decode) == 0.0
 
 
+def fill_cache(server: VllmServer, count: int = 6, length: int = 200) -> None:
+    """Other prompts through D first: its free blocks then hold their KV, what an unread block would keep."""
+    for seed in range(count):
+        post(server.url + "/v1/completions", {"model": "tiny", "prompt": prompt_ids(length, seed=5000 + seed),
+                                              "max_tokens": 1})
+
+
+def test_a_cut_block_list_is_refused_not_read_in_part(cluster: Cluster) -> None:
+    """Genuine params whose block list a client cut to one block, remote_num_tokens still claiming the prompt:
+    before exact coverage D told vLLM it loaded the whole prompt, read one block, and the rest kept an earlier
+    request's KV (then cached under this prompt). Now the verdict refuses them and D recomputes."""
+    fill_cache(cluster.decode)
+    prompt = prompt_ids(200, seed=6060)
+    params = real_params(cluster, prompt)
+    params["remote_block_ids"] = [params["remote_block_ids"][0][:1]]
+    out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and "remote_block_ids[0] has 1 blocks" in report["reason"], report
+    assert report["bytes"] == 0
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
+    assert wait_kv_idle(cluster.prefill) == 0.0  # P's hold was released (the params are for this prompt)
+
+
 def test_engines_idle_and_normal_requests_work_afterwards(cluster: Cluster) -> None:
     prompt = prompt_ids(150, seed=2024)
     out = post(cluster.decode.url + "/v1/completions",

@@ -17,8 +17,10 @@ and nowhere else, in this order:
    loads a token whose bytes the plan does not read.
 
 The verdict is :class:`Admitted` (with the tokens D loads) or :class:`Refused` (the reason, its kind, and whether
-P may still be contacted to release its hold: only when P's address is valid and, with a secret, authentic).
-What P's side channel answers (its registration) is checked at pull time, in lifecycle/compatibility.py.
+P may still be contacted to release its hold: only when P's address is valid, with a secret only when the params
+are authentic, and never for another prompt's params; without a secret, params damaged in other fields still
+release the hold they name). What P's side channel answers (its registration) is checked at pull time, in
+lifecycle/compatibility.py.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
 from vllm_kvp2p.kv_groups import FULL, NULL_BLOCK_ID, KVGroup, has_state, needed_count, prompt_blocks
 from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
+from vllm_kvp2p.protocol import ANY_PORT, MAX_HOST_LENGTH, MAX_TP_SIZE, Id, PortRanges, RemotePrefill
 
 #: Characters of a reason kept (it quotes what the client sent; it goes to a WARNING and to the client).
 MAX_REASON = 500
@@ -102,7 +105,9 @@ def judge(params: object, prompt: Prompt, decoder: Decoder,
     try:
         remote = msgspec.convert(params, RemotePrefill, strict=True)
     except (msgspec.ValidationError, TypeError, ValueError) as exc:
-        return _refused(UNPARSED, f"invalid kv_transfer_params: {exc}", Failure.INVALID_PARAMS, False)
+        release = None if authenticate is not None else _release_address(params, decoder)
+        return _refused(release or UNPARSED, f"invalid kv_transfer_params: {exc}", Failure.INVALID_PARAMS,
+                        release is not None)
     broken = next((name for name in _TEXT_FIELDS if not _is_unicode(getattr(remote, name))), None)
     if broken is not None:
         return _refused(remote, f"invalid kv_transfer_params: {broken} is not valid Unicode (a lone surrogate)",
@@ -114,6 +119,9 @@ def judge(params: object, prompt: Prompt, decoder: Decoder,
     address = address_problem(remote, decoder.peer_ports)
     if address:
         return _refused(remote, f"invalid kv_transfer_params: {address}", Failure.INVALID_PARAMS, False)
+    if remote.remote_num_tokens > prompt.num_tokens:
+        return _refused(remote, f"invalid kv_transfer_params: remote_num_tokens {remote.remote_num_tokens} outside "
+                        f"1..{prompt.num_tokens} (the prompt)", Failure.INVALID_PARAMS, True)
     binding = _binding_problem(remote, prompt)
     if binding:
         # Another request's params (a client, or a router that mixed requests up): that request may still claim
@@ -150,8 +158,6 @@ def is_address(host: str) -> bool:
 def _binding_problem(remote: RemotePrefill, prompt: Prompt) -> str:
     """Whether the params are for this prompt: P's digest of the tokens it offers equals this request's."""
     n = remote.remote_num_tokens
-    if n > prompt.num_tokens:
-        return f"remote_num_tokens {n} outside 1..{prompt.num_tokens} (the prompt)"
     if not remote.remote_prompt_digest:
         return "remote_prompt_digest is missing (P of an older release, or params not issued by P)"
     if remote.remote_prompt_digest != prompt.digest(n):
@@ -187,6 +193,31 @@ def _content_problem(remote: RemotePrefill, prompt: Prompt, decoder: Decoder) ->
         if NULL_BLOCK_ID in ids or len(set(ids)) != len(ids):
             return f"remote_block_ids[{i}] repeats a block id or names block {NULL_BLOCK_ID} (vLLM's null block)"
     return ""
+
+
+class _ReleaseAddress(msgspec.Struct):
+    """What a release needs of params whose other fields do not convert."""
+
+    remote_engine_id: Id
+    remote_request_id: Id
+    remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    remote_hold_id: Id
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
+
+
+def _release_address(params: object, decoder: Decoder) -> RemotePrefill | None:
+    """Without a secret, params damaged in some field still name P's hold: when what a release needs converts
+    and is addressable, P is released now instead of at its hold timeout (as for any other invalid content)."""
+    try:
+        a = msgspec.convert(params, _ReleaseAddress, strict=True)
+    except (msgspec.ValidationError, TypeError, ValueError):
+        return None
+    release = RemotePrefill(a.remote_engine_id, a.remote_request_id, a.remote_host, a.remote_port, [[]],
+                            a.remote_hold_id, 1, 1, tp_size=a.tp_size)
+    texts_ok = all(_is_unicode(t) for t in (a.remote_engine_id, a.remote_request_id, a.remote_host,
+                                            a.remote_hold_id))
+    return release if texts_ok and not address_problem(release, decoder.peer_ports) else None
 
 
 def _is_unicode(text: str) -> bool:

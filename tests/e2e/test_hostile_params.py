@@ -92,7 +92,7 @@ def test_out_of_range_block_ids_fail_at_pull_time_and_p_is_released(cluster: Clu
     """Plausible ids that P does not have (only P's registration knows its block count): the pull fails at once,
     P's real hold is released, and D recomputes."""
     prompt = prompt_ids(64, seed=4444)
-    params = {**real_params(cluster, prompt), "remote_block_ids": [[2**62, 2**63 - 1]]}
+    params = {**real_params(cluster, prompt), "remote_block_ids": [[2**62 - 2, 2**62 - 1]]}
     start = time.monotonic()
     out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
     assert time.monotonic() - start < BOUND_S

@@ -4,8 +4,9 @@ With HMA, vLLM keeps one block table per *KV-cache group* (layers of one attenti
 the connector one list of block ids per group. For a prompt of ``n`` tokens a decoder needs, per group:
 
 * full attention: every block of the prompt;
-* sliding window of ``w`` tokens: only the blocks inside the window, at most ``cdiv(w, block_size) + 1`` (the
-  ``+ 1``: the window rarely starts on a block boundary). vLLM frees the older ones on P and never gives D any;
+* sliding window of ``w`` tokens: only the blocks holding the window, from the block of token ``n - w + 1`` on
+  (at most ``cdiv(w, block_size) + 1``: the window rarely starts on a block boundary). vLLM frees the older ones on
+  P and never gives D any;
 * linear attention / Mamba (vLLM's ``MambaSpec``, e.g. Qwen3-Next's Gated DeltaNet): the one block holding the
   running state (conv and SSM state together in one page). A state cannot be rewound, and D always computes the
   prompt's last token itself, so for such models P prefills all but the last prompt token (the decoder then
@@ -85,9 +86,14 @@ def prompt_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def needed_count(group: KVGroup, num_tokens: int) -> int:
-    """How many blocks of this group a decoder needs for a ``num_tokens`` prompt: what :func:`needed_tail` keeps of
-    P's list, so exactly what D must be offered (vllm_kvp2p/lifecycle/admission.py)."""
+    """How many blocks of this group a decoder needs for a ``num_tokens`` prompt, exactly the real blocks vLLM gives
+    a request that loads ``num_tokens`` tokens: what :func:`needed_tail` keeps of P's list and what D must be
+    offered (vllm_kvp2p/lifecycle/admission.py). A sliding window skips ``num_tokens - w + 1`` tokens, as vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens`` (0.23 and 0.32): blocks wholly before them are null on D, and P
+    may have freed them (nulls in its list) when its last chunk was short."""
     blocks = prompt_blocks(num_tokens, group.block_size)
+    if group.kind == SLIDING:
+        return blocks - max(0, num_tokens - group.sliding_window + 1) // group.block_size
     limit = group.max_blocks
     return min(blocks, limit) if limit is not None else blocks
 
@@ -98,8 +104,8 @@ def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> li
     ids = list(block_ids[: prompt_blocks(num_tokens, group.block_size)])
     if group.kind == STATE:  # the running state is the last real block; the others are placeholders
         ids = [b for b in ids if b != NULL_BLOCK_ID]
-    limit = group.max_blocks
-    return ids[-limit:] if limit is not None and len(ids) > limit else ids
+    count = needed_count(group, num_tokens)
+    return ids[-count:] if len(ids) > count else ids
 
 
 def groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequence[int]) -> tuple[KVGroup, ...]:

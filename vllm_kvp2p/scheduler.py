@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+# Prompt digests kept for requests that wait for blocks (the oldest forgotten beyond this).
+MAX_DIGESTS = 4096
+
 # Key of D's own transfer report in the kv_transfer_params it returns with a finished request.
 PULL_REPORT_KEY = "kvp2p_pull"
 
@@ -137,10 +140,11 @@ class SchedulerSide:
         # merges into the connector's metrics (the workers count pulls, per rank).
         self.stats = Kvp2pStats()
         self._crashed: OrderedDict[str, None] = OrderedDict()  # requests a hook failed on (logged once each)
+        self._digests: OrderedDict[str, tuple[int, str]] = OrderedDict()  # D: request -> (tokens, their digest)
 
     # ------------------------------------------------------------------ no exception leaves a hook
 
-    def _survive(self, hook: str, request: Request, exc: Exception) -> None:
+    def _survive(self, hook: str, request: Request, exc: Exception, *, fail_load: bool = True) -> None:
         """A bug in the connector on one request must not take the engine down with every request in flight: log
         it once per request with its traceback, and make that request's load fail (vLLM's kv_load_failure_policy
         decides) without contacting anyone. Counted with the failed pull its plan becomes (an ``internal`` failure),
@@ -152,13 +156,25 @@ class SchedulerSide:
                 self._crashed.popitem(last=False)
             logger.error("MooncakeP2PConnector: %s failed on request %s; the request's KV load fails, the engine "
                          "serves on", hook, request_id, exc_info=exc)
-        if self.is_consumer:
+        if self.is_consumer and fail_load:
             self.consumer.fail(request_id, f"internal error in {hook}: {type(exc).__name__}: {exc}"[:500])
         else:
             self.stats.record_failure(Failure.INTERNAL.value)
 
     def _prompt(self, request: Request) -> Prompt:
-        return Prompt(request.num_prompt_tokens, lambda n: request_digest(request, n))
+        return Prompt(request.num_prompt_tokens, lambda n: self._digest(request, n))
+
+    def _digest(self, request: Request, num_tokens: int) -> str:
+        """``request_digest``, once per request: vLLM asks again at every step a request waits for blocks, and a
+        long prompt's digest costs ~0.1 ms per thousand tokens."""
+        known = self._digests.get(request.request_id)
+        if known is not None and known[0] == num_tokens:
+            return known[1]
+        digest = request_digest(request, num_tokens)
+        self._digests[request.request_id] = (num_tokens, digest)
+        while len(self._digests) > MAX_DIGESTS:
+            self._digests.popitem(last=False)
+        return digest
 
     # ------------------------------------------------------------------ P: admission
 
@@ -236,13 +252,15 @@ class SchedulerSide:
             if params.get("do_remote_prefill"):
                 if self.is_consumer:
                     self.consumer.on_finished(request.request_id, params, self._prompt(request))
+                    self._digests.pop(request.request_id, None)
                 report = self._reports.pop(request.request_id, None)
                 return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
             if not (self.is_producer and params.get("do_remote_decode")):
                 return False, None
             return self._offer(request, block_ids)
         except Exception as exc:
-            self._survive("request_finished", request, exc)
+            self._survive("request_finished", request, exc, fail_load=False)  # nothing left to fail: it ends
+            self._digests.pop(request.request_id, None)
             return False, None  # P frees the blocks now; D computes the prompt itself
 
     def _offer(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

@@ -177,9 +177,9 @@ def serve(sched: Scheduler, policy: str, cases: list[Case], *, secret: bool,
     caught: list[tuple[str, str, BaseException]] = []
     guard = side._survive
 
-    def survive(hook: str, request: Any, exc: Exception) -> None:
+    def survive(hook: str, request: Any, exc: Exception, **kwargs: Any) -> None:
         caught.append((hook, request.request_id, exc))
-        guard(hook, request, exc)
+        guard(hook, request, exc, **kwargs)
 
     side._survive = survive  # type: ignore[method-assign]  # the guard still runs; we only see that it did
     workers = FakeWorkers()
@@ -734,17 +734,10 @@ def _inject(monkeypatch: pytest.MonkeyPatch, hook: str, victim: str) -> None:
     monkeypatch.setattr(consumer_module, "judge", judge)  # the name consumer.py calls
 
 
-# Found by this test: ConsumerSchedule.on_alloc marks the request planned before it builds the plan, so when
-# building it raises, the guard's second on_alloc returns None: no plan ever reaches the workers and the request
-# waits in WAITING_FOR_REMOTE_KVS forever, holding its blocks. Strict: remove the mark with the fix.
-PLAN_BUG = pytest.mark.xfail(strict=True, reason="on_alloc marks the request planned before _plan: an exception "
-                             "there leaves it with no plan, waiting forever (scheduler did not drain)")
-
-
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens",
-                                  pytest.param("update_state_after_alloc", marks=PLAN_BUG),
-                                  "request_finished"])
+# update_state_after_alloc: found by this test, fixed (on_alloc marked the request planned before building the
+# plan, so a failure there left it with no plan, waiting in WAITING_FOR_REMOTE_KVS forever).
+@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"])
 def test_guard_turns_a_connector_bug_into_one_failed_load(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, policy: str, hook: str) -> None:
     """A bug in the connector on one request (its verdict raises; for update_state_after_alloc, its plan; for
@@ -764,7 +757,7 @@ def test_guard_turns_a_connector_bug_into_one_failed_load(
     caught: list[str] = []
     side = connector_side(sched)
     guard = side._survive
-    side._survive = lambda h, request, exc: (caught.append(h), guard(h, request, exc))  # type: ignore[method-assign]
+    side._survive = lambda h, request, exc, **kw: (caught.append(h), guard(h, request, exc, **kw))  # type: ignore
     workers = FakeWorkers()
     with caplog.at_level(logging.ERROR, logger="vllm.kvp2p"):
         for case in cases:
@@ -807,7 +800,7 @@ def test_without_the_guard_the_bug_escapes_the_scheduler(monkeypatch: pytest.Mon
     engine and of every request in flight."""
     _inject(monkeypatch, hook, victim="p-bad")
 
-    def no_guard(self: SchedulerSide, hook: str, request: Any, exc: Exception) -> None:
+    def no_guard(self: SchedulerSide, hook: str, request: Any, exc: Exception, **kwargs: Any) -> None:
         raise exc
 
     monkeypatch.setattr(SchedulerSide, "_survive", no_guard)

@@ -96,8 +96,10 @@ def test_params_bind_the_prompt_they_were_issued_for() -> None:
 
 
 @pytest.mark.parametrize(("groups", "lists", "n", "ok"), [
-    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [2, 3, 4]], 60, False),  # window needs 4
-    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [1, 2, 3, 4]], 60, True),
+    # 60 tokens, window 40: vLLM skips tokens 0..20, so the window's blocks are 1..3 (3 of the prompt's 4)
+    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [2, 3, 4]], 60, True),
+    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [1, 2, 3, 4]], 60, False),
+    ((KVGroup(FULL, BS), KVGroup(SLIDING, BS, 40)), [[1, 2, 3, 4], [3, 4]], 60, False),
     ((KVGroup(SLIDING, BS, 40),), [[3, 4]], 20, True),
     ((KVGroup(SLIDING, BS, 40),), [[4]], 20, False),
     ((KVGroup(STATE, BS), KVGroup(FULL, BS)), [[7], [1, 2, 3, 4]], 59, True),

@@ -155,7 +155,6 @@ class ConsumerSchedule:
             return None
         self._checked.pop(request_id, None)
         self._failed.pop(request_id, None)
-        self._planned.add(request_id)
         local = tuple(tuple(g) for g in unhashed_block_ids)
         if isinstance(verdict, Refused):
             # Nothing is read; P is still released if that is safe (it may hold the blocks).
@@ -167,6 +166,8 @@ class ConsumerSchedule:
             plan = self._plan(request_id, verdict, local, num_local_computed, num_local_computed + num_external_tokens)
             if isinstance(params, dict) and params.get(TEST_CORRUPT_KEY):
                 plan = dataclasses.replace(plan, test_corrupt=True)
+        # Only now: if making the plan raised, the hook's guard asks again and gets the failed plan.
+        self._planned.add(request_id)
         self._pending.append(plan)
         return plan
 

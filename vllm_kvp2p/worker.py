@@ -30,7 +30,7 @@ from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.step_wakeup import StepNotifier
 from vllm_kvp2p.transfer.engine import MooncakeEngine
-from vllm_kvp2p.transfer.layout import TensorView, coalesce_regions, kv_geometry, planes_of
+from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry, planes_of
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 if TYPE_CHECKING:
@@ -158,12 +158,16 @@ class WorkerSide:
                 layer_planes = [p for i, v in enumerate(views) for p in planes_of(v, num_blocks, f"{name}[{i}]")]
                 layer_shapes = [BlockShape(False, 1, 1, p.block_bytes) for p in layer_planes]
             else:
-                layouts = self.platform.attention_part_layouts(
-                    model.dtype, group.block_size, model.get_head_size(), self.vllm_config.cache_config.cache_dtype
-                )
+                if use_mla:  # one latent row per token, whatever the platform's attention kernel does
+                    interior, layouts = AttentionInterior.LATENT_ROWS, ()
+                else:
+                    interior = self.platform.attention_interior
+                    layouts = self.platform.attention_part_layouts(model.dtype, group.block_size,
+                                                                   model.get_head_size(),
+                                                                   self.vllm_config.cache_config.cache_dtype)
                 layer_planes, layer_shapes = kv_geometry(
                     [(name, views)], num_blocks, group.block_size, local_heads, head_size=model.get_head_size(),
-                    interior=self.platform.attention_interior, part_layouts=layouts,
+                    interior=interior, part_layouts=layouts,
                 )
             planes += layer_planes
             shapes += layer_shapes
@@ -201,6 +205,12 @@ class WorkerSide:
             ", ".join(g.describe() for g in local.kv_groups()), len(local.planes), num_blocks,
             "head-major" if local.shapes[0].head_major else "token-major", len(regions), how,
         )
+        # What a pull moves per block of each group (tests and operators read the real geometry here: vLLM may
+        # raise a hybrid model's block size, and its state pages depend on the CPU's kernels).
+        logger.info("rank %d KV geometry: %s", self.tp_rank, "; ".join(
+            f"group {g} {group.describe()}: block {group.block_size} tokens, "
+            f"{sum(p.block_bytes for p, pg in zip(local.planes, local.group_of_planes()) if pg == g)} B per block"
+            for g, group in enumerate(local.kv_groups())))
         registration = RankRegistration(
             engine_id=self.engine_id,
             tp_rank=self.tp_rank,

@@ -10,7 +10,9 @@ itself (applying it to the pulled state) and answers as the single instance does
 from __future__ import annotations
 
 import math
+import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -21,15 +23,38 @@ from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.server import VllmServer
 from vllm_kvp2p.testing.tiny_qwen3_next import LAYER_TYPES
 
-BLOCK = 288  # the attention block size vLLM picks for this model (state page <= attention page)
-# One state page: conv state (kernel 4 - 1) x (2 * 2 key heads * 128 + 4 value heads * 128), and SSM state
-# 4 value heads x 128 x 128, bfloat16.
-STATE_PAGE = (3 * 1024 + 4 * 128 * 128) * 2
-ATTN_BLOCK = 2 * BLOCK * 128 * 2  # 2 KV heads x 288 tokens x (K 64 + V 64) x bfloat16
 NUM_STATE = LAYER_TYPES.count("linear_attention")
 NUM_FULL = LAYER_TYPES.count("full_attention")
 LOGPROB_TOL = 0.1
 COMPARED_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Group:
+    kind: str  # "linear-attention state" or "full attention"
+    block_size: int  # tokens
+    block_bytes: int  # what a pull moves per block of this group (all its planes)
+
+
+def geometry(server: VllmServer) -> list[Group]:
+    """The KV-cache groups as this engine's connector registered them (its start-up log): vLLM raises the
+    attention block size to fit the state pages (288 tokens on one CPU, 544 on another where its accelerated GDN
+    backend keeps the SSM state in float32), so nothing here is a constant."""
+    line = re.search(r"rank 0 KV geometry: (.*)", server.log_path.read_text(errors="replace"))
+    assert line, server.log_path
+    return [Group(kind, int(block), int(size)) for kind, block, size in
+            re.findall(r"group \d+ ([a-z -]+): block (\d+) tokens, (\d+) B per block", line.group(1))]
+
+
+def expected_pull(groups: list[Group], num_tokens: int, hit_tokens: int = 0) -> tuple[list[int], int]:
+    """Blocks per group P offers for a prompt whose first ``num_tokens`` it computed, and the bytes D pulls when
+    it already caches ``hit_tokens``: one state page per linear-attention layer, every attention block past the
+    hit."""
+    offered = [1 if g.kind == "linear-attention state" else math.ceil(num_tokens / g.block_size) for g in groups]
+    pulled = sum(g.block_bytes * (1 if g.kind == "linear-attention state"
+                                  else math.ceil(num_tokens / g.block_size) - hit_tokens // g.block_size)
+                 for g in groups)
+    return offered, pulled
 
 
 def post(server: VllmServer, body: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +83,9 @@ def test_both_engines_move_state_and_attention_groups(state_pair: StatePair) -> 
     for server in (state_pair.prefill, state_pair.decode):
         log = server.log_path.read_text()
         assert f"in {len(LAYER_TYPES)} KV-cache group(s) ({groups})" in log, server.log_path
+    p_groups, d_groups = geometry(state_pair.prefill), geometry(state_pair.decode)
+    assert p_groups == d_groups and [g.kind for g in p_groups] == groups.split(", ")
+    assert len({g.block_size for g in p_groups}) == 1  # vLLM gives every group of a hybrid model one block size
 
 
 @pytest.mark.parametrize("num_tokens", [40, 300, 700])
@@ -66,12 +94,12 @@ def test_pd_answer_matches_single_instance_with_state_pages_pulled(state_pair: S
     params = params_from_p(state_pair, prompt)
     # P prefilled all but the last token: one state page per linear-attention layer, every attention block.
     assert params["remote_num_tokens"] == num_tokens - 1
-    attn_blocks = math.ceil((num_tokens - 1) / BLOCK)
-    assert [len(g) for g in params["remote_block_ids"]] == [1] * NUM_STATE + [attn_blocks] * NUM_FULL
+    offered, pulled = expected_pull(geometry(state_pair.prefill), num_tokens - 1)
+    assert [len(g) for g in params["remote_block_ids"]] == offered
     out = post(state_pair.decode, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "kv_transfer_params": params})
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert pull["ok"], pull
-    assert pull["bytes"] == NUM_STATE * STATE_PAGE + NUM_FULL * attn_blocks * ATTN_BLOCK, pull
+    assert pull["bytes"] == pulled, pull
     single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
     (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
     assert d_tokens == s_tokens
@@ -89,16 +117,16 @@ def test_a_corrupted_transfer_changes_the_answer(state_pair: StatePair) -> None:
 
 
 def test_d_prefix_cache_hit_pulls_only_the_rest(state_pair: StatePair) -> None:
-    """D already computed the first 600 tokens of the prompt for another request (its cache keeps the state at
+    """D already computed the first block and more of the prompt for another request (its cache keeps the state at
     block boundaries): it pulls the attention blocks past its hit and the state pages, and answers the same."""
-    prompt = prompt_of(1000)
-    post(state_pair.decode, {"prompt": prompt[:600] + prompt_of(30), "max_tokens": 1})
+    block = geometry(state_pair.decode)[0].block_size
+    prompt = prompt_of(3 * block + 50)  # long enough that the part past the hit is more than a block
+    post(state_pair.decode, {"prompt": prompt[: block + 56] + prompt_of(30), "max_tokens": 1})
     params = params_from_p(state_pair, prompt)
     out = post(state_pair.decode, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "kv_transfer_params": params})
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
-    hit_blocks = 600 // BLOCK
     assert pull["ok"], pull
-    assert pull["bytes"] == NUM_STATE * STATE_PAGE + NUM_FULL * (math.ceil(999 / BLOCK) - hit_blocks) * ATTN_BLOCK, pull
+    assert pull["bytes"] == expected_pull(geometry(state_pair.decode), len(prompt) - 1, hit_tokens=block)[1], pull
     single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
     (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
     assert d_tokens == s_tokens

@@ -67,3 +67,38 @@ def test_coalesce_merges_touching_regions_only() -> None:
     b = TensorView(80, (10, 4), (4, 1), 2)  # touches a
     c = TensorView(1000, (10, 4), (4, 1), 2)
     assert coalesce_regions([c, a, b]) == [(0, 160), (1000, 80)]
+
+
+# ---------------------------------------------------------------- block interiors (transfer/layout.py)
+
+
+def _view(shape: tuple[int, ...]) -> TensorView:
+    from vllm_kvp2p.transfer.layout import TensorView
+
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return TensorView(1 << 20, shape, tuple(strides), 2)
+
+
+def test_each_platforms_block_interior_is_read_as_its_kernel_writes_it() -> None:
+    import pytest
+
+    from vllm_kvp2p.transfer.interior import PartLayout
+    from vllm_kvp2p.transfer.layout import AttentionInterior, LayoutError, block_shape_of
+
+    columns = PartLayout(group=1, tile=1, element_bytes=2)
+    cpu = block_shape_of(_view((40, 4, 32, 128)), 40, 32, 4, head_size=64,
+                         interior=AttentionInterior.HEAD_MAJOR_KV_HALVES, part_layouts=(columns, PartLayout()))
+    assert (cpu.head_major, cpu.num_heads, cpu.parts, cpu.num_tokens, cpu.inner_bytes) == (True, 4, 2, 32, 128)
+    npu = block_shape_of(_view((40, 128, 8, 128)), 40, 128, 8, head_size=128, interior=AttentionInterior.TOKEN_MAJOR)
+    assert (npu.head_major, npu.num_heads, npu.parts, npu.inner_bytes) == (False, 8, 1, 256)
+    for mla in ((40, 16, 576), (40, 1, 16, 576), (40, 16, 1, 576)):  # CPU 0.32, CPU MLA view, vllm-ascend nope
+        shape = block_shape_of(_view(mla), 40, 16, 1, head_size=576, interior=AttentionInterior.LATENT_ROWS)
+        assert (shape.num_heads, shape.num_tokens, shape.inner_bytes, shape.all_rows) == (1, 16, 1152, True)
+    with pytest.raises(LayoutError, match="is not"):  # a CPU-shaped tensor on a platform that says token-major
+        block_shape_of(_view((40, 4, 32, 128)), 40, 32, 4, head_size=64, interior=AttentionInterior.TOKEN_MAJOR)
+    with pytest.raises(LayoutError, match="is not"):  # K and V of unequal sizes: not what vLLM's CPU kernel writes
+        block_shape_of(_view((40, 4, 32, 96)), 40, 32, 4, head_size=64,
+                       interior=AttentionInterior.HEAD_MAJOR_KV_HALVES)

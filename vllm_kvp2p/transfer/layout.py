@@ -107,6 +107,9 @@ class AttentionInterior(enum.Enum):
     HEAD_MAJOR_KV_HALVES = "[heads][K, V][tokens][head_size] (vLLM CPU attention)"
     #: ``[tokens, heads, head_size]``, K and V in separate tensors: vllm-ascend (and CUDA flash layouts).
     TOKEN_MAJOR = "[tokens][heads][head_size], K and V in separate tensors (vllm-ascend)"
+    #: One latent row per token (MLA, every platform): ``[tokens, latent]`` or ``[1, tokens, latent]`` (vLLM 0.32's
+    #: CPU MLA backend writes ``cache.view(-1, latent)[slot]``) or ``[tokens, 1, latent]`` (vllm-ascend's nope / rope).
+    LATENT_ROWS = "[tokens][latent] (MLA)"
 
 
 def block_shape_of(
@@ -116,7 +119,8 @@ def block_shape_of(
     """The inside of one block of ``view`` as the platform's attention backend reads it.
 
     ``[..., num_blocks, tokens, latent]`` (2-D: an MLA latent cache, one row per token) is the same on every
-    platform; a 3-D block must fit ``interior`` exactly, or :class:`LayoutError` names what was found.
+    platform; a 3-D block must fit ``interior`` exactly (MLA: :attr:`AttentionInterior.LATENT_ROWS`), or
+    :class:`LayoutError` names what was found.
     ``part_layouts``: how the kernel lays out each part (K, V) of a head's block, as the platform found it
     (empty: rows)."""
     block_dim = view.shape.index(num_blocks)
@@ -126,6 +130,8 @@ def block_shape_of(
         raise LayoutError(f"{name}: {len(part_layouts)} part layouts for blocks of {parts} parts per head")
     if len(inner) == 2 and inner[0] == block_size:
         return BlockShape(False, 1, block_size, view.element_size * inner[1])
+    if interior is AttentionInterior.LATENT_ROWS and len(inner) == 3 and block_size in inner[:2] and 1 in inner[:2]:
+        return BlockShape(False, 1, block_size, view.element_size * inner[2])
     if interior is AttentionInterior.HEAD_MAJOR_KV_HALVES and inner == (num_heads, block_size, 2 * head_size):
         return BlockShape(True, num_heads, block_size, view.element_size * head_size, parts=2,
                           layouts=part_layouts)

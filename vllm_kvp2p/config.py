@@ -61,8 +61,9 @@ class KVP2PConfig:
         "address this instance **advertises**: P's side-channel address in `kv_transfer_params` (`remote_host`) "
         "and the hostname of every rank's Mooncake segment. Empty: vLLM's `get_ip()`, i.e. `VLLM_HOST_IP` when "
         "set, else the source address of the route to a public address (a UDP socket is connected; nothing is "
-        "sent). `0.0.0.0` / `::` are refused, and so is a detection that finds no address: set `VLLM_KVP2P_HOST` "
-        "or `VLLM_HOST_IP`",
+        "sent). A host name is resolved once, at start-up, and its address advertised (D accepts only addresses). "
+        "`0.0.0.0` / `::` are refused, and so is a detection that finds no address or a name that does not "
+        "resolve: set `VLLM_KVP2P_HOST` or `VLLM_HOST_IP`",
         shown="`\"\"` (this node's address as vLLM determines it)",
     )
     bind_host: str = setting(
@@ -83,9 +84,10 @@ class KVP2PConfig:
     )
     lease_timeout: float = setting(
         60.0,
-        "seconds a D claim pins P's blocks without renewal; D renews every third of it, between reads. Must "
-        "exceed 1.5 × (`transfer_timeout` + 1 s), so that no read outlives its lease (checked at start-up, naming"
-        " both)",
+        "seconds a D claim pins P's blocks without renewal; D renews every lease it holds a third of the way "
+        "through, between reads and round trips. Must exceed 1.5 × (the longest single action of a pull + 1 s): "
+        "`transfer_timeout` + 1.5 s for a read, or `side_channel_timeout`, whichever is longer, so that no lease "
+        "lapses during a pull (checked at start-up, naming the settings)",
     )
     transfer_timeout: float = setting(
         30.0,

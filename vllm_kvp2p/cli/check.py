@@ -336,8 +336,9 @@ def run(kv_transfer_config: Mapping[str, Any], env: Mapping[str, str], tp_size: 
         report.findings.append(Finding(WARNING, "secret", "not set: kv_transfer_params are unsigned and the side "
                                        "channel is open to anyone who reaches it; set VLLM_KVP2P_SECRET (or "
                                        "secret_file) on every P and D of this deployment (docs/security.md)"))
-    report.findings.append(Finding(OK, "timers", "settings valid, timers consistent (lease_timeout > 1.5 x "
-                                   "(transfer_timeout + 1 s), pull_timeout >= side_channel_timeout)"))
+    report.findings.append(Finding(OK, "timers", "settings valid, timers consistent (lease_timeout outlasts a "
+                                   "pull's longest action: 1.5 x (max(transfer_timeout + 1.5 s, side_channel_timeout)"
+                                   " + 1 s); pull_timeout >= side_channel_timeout)"))
     from vllm_kvp2p.compat import node_ip
     from vllm_kvp2p.platform import get_platform
 

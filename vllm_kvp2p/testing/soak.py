@@ -51,7 +51,7 @@ LOGPROB_TOL = 1e-4  # float32 noise between a one-shot prefill and D's recompute
 PREFIX_POOL = 6  # distinct shared prefixes
 
 # P's timers short, so that the blocks of requests whose D went away are freed within a minute: a hold lives
-# hold_timeout, a lease lease_timeout (and lease_timeout must exceed 1.5 x (transfer_timeout + 1 s)).
+# hold_timeout, a lease lease_timeout (which must outlast a pull's longest action, see config.py).
 P_ENV = {"VLLM_KVP2P_HOLD_TIMEOUT": "20", "VLLM_KVP2P_LEASE_TIMEOUT": "20", "VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}
 D_ENV = {"VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}
 #: The longest P may pin a request's blocks with these timers (hold_timeout + lease_timeout), plus a margin.

@@ -44,14 +44,14 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from vllm_kvp2p.lifecycle.hold import Hold, HoldState, Key, Lease
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
 
 MAX_HOLDS = 65536
@@ -61,92 +61,7 @@ MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
 STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
 
-_Key = tuple[str, str]  # (request id, hold id)
-
-
-class HoldState(enum.Enum):
-    HELD = "held"
-    CLAIMED = "claimed"
-    RELEASED = "released"
-    EXPIRED = "expired"
-
-    @property
-    def final(self) -> bool:
-        return self in (HoldState.RELEASED, HoldState.EXPIRED)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One reader's claim on a hold. Replaced, never changed in place, when it is renewed or its claim resent."""
-
-    until: float  # P's clock: it lapses then unless renewed
-    cap: float  # it is never renewed past this: the hold's pin deadline, or the claim's deadline + clock_skew
-    token: str  # renewals, and the release while it is live, must carry it
-    claim_id: str  # chosen by D: a claim resent with the same one gets this lease back
-
-    def extended(self, now: float, lease_timeout: float) -> Lease:
-        """Refreshed to ``lease_timeout`` from now, never past its cap, never shortened."""
-        return Lease(max(self.until, min(now + lease_timeout, self.cap)), self.cap, self.token, self.claim_id)
-
-
-@dataclass
-class _Hold:
-    request_id: str
-    hold_id: str
-    hold_deadline: float
-    pin_deadline: float  # hard: no lease runs past it
-    created: float
-    num_blocks: int = 0
-    state: HoldState = HoldState.HELD
-    expected_readers: int = 1
-    leases: dict[str, Lease] = field(default_factory=dict)  # reader -> its live lease
-    released_by: set[str] = field(default_factory=set)
-    confirmed: set[str] = field(default_factory=set)  # readers whose lease held from claim to release
-    # (deadline, sequence) of its one current entry in the ledger's heap; any other entry naming it is stale.
-    due: tuple[float, int] | None = None
-
-    @property
-    def key(self) -> _Key:
-        return (self.request_id, self.hold_id)
-
-    def knows(self, reader: str) -> bool:
-        return reader in self.leases or reader in self.released_by
-
-    @property
-    def num_readers(self) -> int:
-        return len(self.released_by) + len(self.leases)  # a reader is in one or the other
-
-    @property
-    def all_released(self) -> bool:
-        return len(self.released_by) >= self.expected_readers and not self.leases
-
-    def next_deadline(self) -> float:
-        """When expire() must look at it next: its first lease to lapse or, without leases, its hold deadline (the
-        pin deadline is never earlier: every lease ends by it)."""
-        return min((lease.until for lease in self.leases.values()), default=self.hold_deadline)
-
-    def grant(self, reader: str, lease: Lease) -> None:
-        self.leases[reader] = lease
-        self.state = HoldState.CLAIMED
-
-    def release_reader(self, reader: str, now: float, pulled: bool) -> bool:
-        """The reader is done; returns whether its lease held from its claim to now (see ProducerLedger.release)."""
-        lease = self.leases.pop(reader, None)
-        if lease is not None:
-            held = lease.until > now  # lapsed but not yet expired: blocks still there, but not promised
-            if held:
-                self.confirmed.add(reader)
-        else:
-            held = reader in self.confirmed or not pulled
-        self.released_by.add(reader)
-        return held
-
-    def lapse(self, now: float) -> dict[str, Lease]:
-        """Drop the leases that have run out; returns them, by reader name."""
-        lapsed = {reader: lease for reader, lease in sorted(self.leases.items()) if lease.until <= now}
-        for reader in lapsed:
-            del self.leases[reader]
-        return lapsed
+_Key = Key
 
 
 @dataclass(frozen=True)
@@ -187,7 +102,7 @@ class ProducerLedger:
         self.max_early_releases = max_early_releases
         self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
-        self._holds: dict[_Key, _Hold] = {}
+        self._holds: dict[_Key, Hold] = {}
         self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
         # (deadline, sequence, hold): each live hold's current entry (its ``due``), and stale ones (the hold is gone,
         # or its deadline moved earlier), skipped when they come up and rebuilt away when they are many.
@@ -252,7 +167,7 @@ class ProducerLedger:
             # vLLM already kept the blocks: dropping the hold would leak them. Keep it, say so.
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
-        hold = _Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
+        hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
                      created=now, num_blocks=max(0, num_blocks))
         self._holds[key] = hold
         self.tally["created"] += 1
@@ -398,7 +313,7 @@ class ProducerLedger:
     def expire(self, now: float) -> None:
         """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline. Costs
         what is due: holds whose deadlines have not come are not looked at."""
-        due: list[_Hold] = []
+        due: list[Hold] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             when, sequence, key = heapq.heappop(self._deadlines)
             hold = self._holds.get(key)
@@ -416,7 +331,7 @@ class ProducerLedger:
                 break
             del self._early[oldest]
 
-    def _expire_one(self, hold: _Hold, now: float) -> None:
+    def _expire_one(self, hold: Hold, now: float) -> None:
         # Leases are granted only up to the hard deadline, so at it all lapse; say why.
         capped = hold.pin_deadline <= now and any(lease.until >= hold.pin_deadline for lease in hold.leases.values())
         lapsed = hold.lapse(now)
@@ -487,11 +402,11 @@ class ProducerLedger:
             return f"ids have at most {MAX_ID_LENGTH} characters"
         return ""
 
-    def _maybe_release(self, hold: _Hold, why: str) -> None:
+    def _maybe_release(self, hold: Hold, why: str) -> None:
         if hold.all_released:
             self._finish(hold, HoldState.RELEASED, why)
 
-    def _due_by(self, hold: _Hold, when: float) -> None:
+    def _due_by(self, hold: Hold, when: float) -> None:
         """Make the hold's one heap entry come up no later than ``when``. A later deadline moves nothing: the entry
         comes up early and :meth:`expire` files the hold again; an earlier one replaces it (the old one is stale)."""
         if hold.due is not None and hold.due[0] <= when:
@@ -507,7 +422,7 @@ class ProducerLedger:
             self._deadlines = [(*hold.due, key) for key, hold in self._holds.items() if hold.due is not None]
             heapq.heapify(self._deadlines)
 
-    def _finish(self, hold: _Hold, state: HoldState, why: str, reason: str = "") -> None:
+    def _finish(self, hold: Hold, state: HoldState, why: str, reason: str = "") -> None:
         key = hold.key
         del self._holds[key]
         hold.due = None  # its entry, if it has one, is stale now

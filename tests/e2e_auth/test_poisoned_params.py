@@ -27,12 +27,13 @@ TEXT_FIELDS = ("mac", "remote_engine_id", "remote_request_id", "remote_hold_id",
 def post_escaped(cluster: Cluster, prompt: list[int], params: dict) -> dict | None:
     """A request whose JSON escapes every non-ASCII character (``\\ud800`` stays a lone surrogate once parsed,
     as any client can send it; httpx's own encoder refuses to). None when vLLM's API server itself refused it:
-    vLLM 0.32 cannot pass a lone surrogate to its engine (msgpack: "surrogates not allowed") and answers 500
-    before the connector sees the request (the connector's own handling is in tests/scheduler)."""
+    vLLM cannot pass a lone surrogate to its engine ("surrogates not allowed": HTTP 400 on 0.23, 500 on 0.32)
+    and answers before the connector sees the request (the connector's own handling is in tests/scheduler)."""
     body = json.dumps(completion_body(prompt, kv_transfer_params=params)).encode()
     r = httpx.post(cluster.decode.url + "/v1/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=120)
-    if r.status_code == 500 and "surrogates not allowed" in cluster.decode.log_path.read_text(errors="replace"):
+    refused_by_vllm = "surrogates not allowed" in r.text + cluster.decode.log_path.read_text(errors="replace")
+    if r.status_code in (400, 500) and refused_by_vllm and "\\ud800" in json.dumps(params):
         return None
     assert r.status_code == 200, r.text
     return r.json()

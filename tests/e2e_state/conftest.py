@@ -38,7 +38,8 @@ def vllm_cannot_serve(logs: list[str]) -> str:
         if any("vllm_kvp2p" in t for t in tracebacks):
             return ""
         errors = [line for line in log.splitlines() if re.search(r"\b\w+Error: ", line)]
-        return (errors[-1] if errors else "engine exited").strip()[-300:]
+        root = [line for line in errors if "APIServer" not in line]  # the engine's own, not the API's echo of it
+        return ((root or errors)[:1] or ["engine exited"])[0].strip()[-300:]
     return ""
 
 

@@ -65,6 +65,9 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         platform = get_platform(self.config.platform)
+        unsupported = platform.unsupported_setting(vllm_config)
+        if unsupported:
+            raise NotImplementedError(f"{type(self).__name__}: {unsupported}")
         worker_polling.apply_setting(self.config.worker_busy_poll, platform.default_worker_busy_poll)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, self.engine_id, self.config, kv_cache_config)

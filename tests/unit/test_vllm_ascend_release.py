@@ -1081,3 +1081,77 @@ def test_compatibility_matrix_and_requirements_match_the_ascend_extra(release: R
     # vLLM itself is not in the extra: vllm==0.23.0 from PyPI requires torch==2.11.0, which cannot be installed
     # with torch==2.10.0; vllm-ascend installs vLLM 0.23.0 from source with VLLM_TARGET_DEVICE=empty.
     assert "vllm" not in extra and row["vLLM"] == "v0.23.0"
+
+
+def _shape_function(release: Release, rel: str, backend: str) -> Any:
+    """The released ``<backend>.get_kv_cache_shape``, compiled from its text (a pure function of ints)."""
+    fn = copy.deepcopy(_method(_class(release.tree(rel), backend), "get_kv_cache_shape"))
+    fn.decorator_list = []
+    fn.args.args = [a for a in fn.args.args if a.arg != "self"]
+    for a in [*fn.args.args, *fn.args.kwonlyargs]:
+        a.annotation = None
+    fn.returns = None
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), rel, "exec"), namespace)
+    return namespace["get_kv_cache_shape"]
+
+
+def test_npu_kv_blocks_are_what_the_npu_platform_declares(release: Release) -> None:
+    """platform/npu.py declares vllm-ascend's KV blocks token-major rows (AttentionInterior.TOKEN_MAJOR), so a P
+    block of another block size is a contiguous run of tokens of a D block. Read off the release: its attention
+    backend's shape is (2, blocks, block_size, kv_heads, head) and the runner views K and V each as
+    ``kv_cache_shape[1:]``; MLA's nope and rope as (blocks, block_size, kv_heads, dim), one latent row per token."""
+    from vllm_kvp2p.platform.npu import NpuPlatform
+    from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+    from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, block_shape_of
+    from vllm_kvp2p.transfer.slicing import build_sliced_descriptors, token_chunks
+
+    attention = _shape_function(release, "vllm_ascend/attention/attention_v1.py", "AscendAttentionBackend")
+    mla = _shape_function(release, "vllm_ascend/attention/mla_v1.py", "AscendMLABackend")
+    assert attention(100, 128, 8, 128) == (2, 100, 128, 8, 128)
+    assert tuple(mla(100, 128, 1, 576)) == (100, 128, 1, 576)
+    runner = release.text(MODEL_RUNNER)
+    assert "k_shape = kv_cache_shape[1:]" in runner  # K and V: each [blocks, block_size, kv_heads, head]
+    assert "mla_num_blocks, mla_block_size, num_kv_heads, _ = kv_cache_shape" in runner
+
+    def view(shape: tuple[int, ...]) -> TensorView:
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return TensorView(1 << 30, shape, tuple(strides), 2)  # bfloat16
+
+    platform = NpuPlatform()
+    assert platform.attention_interior is AttentionInterior.TOKEN_MAJOR
+    p_shape = block_shape_of(view(attention(100, 128, 8, 128)[1:]), 100, 128, 8, head_size=128,
+                             interior=platform.attention_interior)
+    d_shape = block_shape_of(view(attention(100, 256, 8, 128)[1:]), 100, 256, 8, head_size=128,
+                             interior=platform.attention_interior)
+    assert (p_shape.head_major, p_shape.num_heads, p_shape.inner_bytes, p_shape.all_rows) == (False, 8, 256, True)
+    # Two P blocks of 128 tokens into one D block of 256, all heads: one run each, in token order.
+    p_plane = PlaneGeometry(1 << 30, p_shape.block_bytes, p_shape.block_bytes, 100)
+    d_plane = PlaneGeometry(1 << 40, d_shape.block_bytes, d_shape.block_bytes, 100)
+    runs = build_sliced_descriptors([d_plane], [d_shape], [p_plane], [p_shape],
+                                    token_chunks([7], 256, [3, 9], 128, 0), 0, 0, 8)
+    assert runs.lengths == [p_shape.block_bytes] * 2
+    assert runs.local_addrs == [d_plane.base_addr + 7 * d_shape.block_bytes,
+                                d_plane.base_addr + 7 * d_shape.block_bytes + p_shape.block_bytes]
+    for dim in (512, 64):  # MLA nope and rope
+        latent = block_shape_of(view((100, 128, 1, dim)), 100, 128, 1, head_size=576,
+                                interior=AttentionInterior.LATENT_ROWS)
+        assert (latent.num_heads, latent.inner_bytes, latent.all_rows) == (1, dim * 2, True)
+
+
+def test_vllm_ascends_nz_kv_cache_is_refused(release: Release) -> None:
+    """vllm-ascend's ``enable_kv_nz`` (MLA on a D node only) keeps D's cache in the NZ (fractal) format and has its
+    own connector reformat what it receives; this connector moves blocks as they lie, so it refuses the setting at
+    start-up instead of decoding from ND bytes read as NZ."""
+    from types import SimpleNamespace
+
+    from vllm_kvp2p.platform.npu import NpuPlatform
+
+    config = release.text("vllm_ascend/ascend_config.py")
+    assert 'additional_config.get("enable_kv_nz", False)' in config
+    nz = SimpleNamespace(additional_config={"enable_kv_nz": True})
+    assert "enable_kv_nz" in NpuPlatform().unsupported_setting(nz)
+    assert NpuPlatform().unsupported_setting(SimpleNamespace(additional_config={})) == ""
+    assert NpuPlatform().unsupported_setting(SimpleNamespace(additional_config=None)) == ""

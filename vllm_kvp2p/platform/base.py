@@ -45,6 +45,11 @@ class KVPlatform(ABC):
         part of :attr:`attention_interior`); empty: plain token rows."""
         return ()
 
+    def unsupported_setting(self, vllm_config: Any) -> str:
+        """A setting of this platform's vLLM plugin that lays the KV cache out in a way this connector cannot move
+        ("" if none): the connector refuses to start, naming it."""
+        return ""
+
     #: Most memory regions one process may register (HCCL allows a few hundred); None: no limit known.
     max_registered_regions: int | None = None
 

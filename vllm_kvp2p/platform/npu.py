@@ -23,6 +23,14 @@ class NpuPlatform(KVPlatform):
     # vllm-ascend hard-codes this HCCL per-process limit (MAX_HCCL_REGISTER_REGIONS).
     max_registered_regions = 256
 
+    def unsupported_setting(self, vllm_config: Any) -> str:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if isinstance(extra, dict) and extra.get("enable_kv_nz"):
+            return ("vllm-ascend's additional_config enable_kv_nz keeps D's MLA cache in the NZ format and relies on "
+                    "vllm-ascend's own MooncakeConnector to reformat what it receives; MooncakeP2PConnector moves "
+                    "blocks as they lie: remove enable_kv_nz (docs/deploy-ascend.md)")
+        return ""
+
     def memory_location(self, tensor: Any) -> str:
         return f"npu:{tensor.device.index}"
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.kv_groups import single_full_group
@@ -26,15 +25,8 @@ SECRET = b"benchmark-secret-0123456789abcdef"
 BLOCK = 16
 NOW_MS = 1_800_000_000_000
 
-
-def per_call_us(fn: Callable[[], object], reps: int) -> float:
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        runs.append((time.perf_counter() - t0) / reps * 1e6)
-    return statistics.median(runs)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_auth import per_op_us as per_call_us  # noqa: E402  (median of 5 runs, microseconds per call)
 
 
 def main() -> None:

@@ -105,7 +105,7 @@ def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> li
     if group.kind == STATE:  # the running state is the last real block; the others are placeholders
         ids = [b for b in ids if b != NULL_BLOCK_ID]
     count = needed_count(group, num_tokens)
-    return ids[-count:] if len(ids) > count else ids
+    return ids[len(ids) - count:] if len(ids) > count else ids  # count may be 0 (a window of one token)
 
 
 def groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequence[int]) -> tuple[KVGroup, ...]:

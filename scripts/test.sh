@@ -6,9 +6,12 @@
 #   2. vLLM 0.23 (what vllm-ascend 0.23.0.post1 runs): scripts/setup_vllm023.sh makes its own venv once per machine
 #      and builds this package against its torch in a copy of the tree (build/vllm023/src), where the suite runs.
 #
-# Both runs use scripts/run_suite.sh, the same pytest invocation the Ascend workflow uses; arguments are passed
-# to pytest in both (default: the whole tests/ directory). KVP2P_TEST_VLLM="0.32" or "0.23" runs only one.
-# Both always run; exits non-zero when either fails. The last line adds up both runs' counts.
+# Both runs use scripts/run_suite.sh, the same pytest invocation the Ascend workflow uses. Which tests each vLLM
+# runs is the rule in tests/conftest.py: vLLM 0.32 runs the pure unit tests (vLLM and Mooncake made unimportable:
+# the check that they are pure) and then all the rest; vLLM 0.23 runs all the rest only. Arguments, when given, are
+# passed to pytest on both versions instead, whole (default: the whole tests/ directory, split as above).
+# KVP2P_TEST_VLLM="0.32" or "0.23" runs only one. Both always run; exits non-zero when either fails. The last line
+# adds up every run's counts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -23,14 +26,26 @@ for version in $VERSIONS; do
   case "$version" in
     0.32)
       bash scripts/setup.sh || exit 1
-      echo "[test] ===== vLLM 0.32 ($ROOT/.venv) ====="
-      bash scripts/run_suite.sh "$ROOT/.venv/bin/python" "$@" 2>&1 | tee "$logs/vllm-$version.log"
-      rc=${PIPESTATUS[0]}
+      rc=0
+      if [ $# -eq 0 ]; then
+        echo "[test] ===== vLLM 0.32 ($ROOT/.venv): pure unit tests, without vLLM and Mooncake ====="
+        KVP2P_TESTS=pure bash scripts/run_suite.sh "$ROOT/.venv/bin/python" 2>&1 | tee "$logs/vllm-0.32-pure.log"
+        rc=${PIPESTATUS[0]}
+        echo "[test] ===== vLLM 0.32 ($ROOT/.venv): the rest ====="
+        KVP2P_TESTS=contract bash scripts/run_suite.sh "$ROOT/.venv/bin/python" 2>&1 | tee "$logs/vllm-$version.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      else
+        echo "[test] ===== vLLM 0.32 ($ROOT/.venv) ====="
+        bash scripts/run_suite.sh "$ROOT/.venv/bin/python" "$@" 2>&1 | tee "$logs/vllm-$version.log"
+        rc=${PIPESTATUS[0]}
+      fi
       ;;
     0.23)
       PY023=$(bash scripts/setup_vllm023.sh | tail -n 1) || exit 1
       echo "[test] ===== vLLM 0.23 ($PY023, tree copy build/vllm023/src) ====="
-      (cd build/vllm023/src && bash scripts/run_suite.sh "$PY023" "$@") 2>&1 | tee "$logs/vllm-$version.log"
+      mode=contract; [ $# -eq 0 ] || mode=""
+      (cd build/vllm023/src && KVP2P_TESTS=$mode bash scripts/run_suite.sh "$PY023" "$@") 2>&1 \
+        | tee "$logs/vllm-$version.log"
       rc=${PIPESTATUS[0]}
       ;;
     *)
@@ -38,7 +53,10 @@ for version in $VERSIONS; do
       exit 2
       ;;
   esac
-  summary+=("vLLM $version: pytest exit $rc in $(( $(date +%s) - start )) s: $(tail -n 1 "$logs/vllm-$version.log")")
+  for log in "$logs"/vllm-"$version"*.log; do
+    summary+=("vLLM $version ($(basename "$log" .log)): $(tail -n 1 "$log")")
+  done
+  summary+=("vLLM $version: exit $rc in $(( $(date +%s) - start )) s")
   [ "$rc" -eq 0 ] || status=1
 done
 

@@ -19,9 +19,14 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from vllm_kvp2p.testing.cluster import PDCluster
 
 NEEDS_VLLM_OR_MOONCAKE = {
     "test_arena",  # the arena's torch allocator under vLLM's allocation route
@@ -70,3 +75,33 @@ def pytest_ignore_collect(collection_path: Path) -> bool | None:
 def pytest_configure(config: pytest.Config) -> None:
     if MODE not in ("", "pure", "contract"):
         raise pytest.UsageError(f"KVP2P_TESTS={MODE!r}: 'pure', 'contract' or unset")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engines shared by several packages: started once for the whole run, where first used, stopped at its end.
+# One real P/D deployment (see vllm_kvp2p.testing.cluster.PDCluster): a prefill ``vllm serve`` (kv_producer), a
+# decode ``vllm serve`` (kv_consumer, test hooks on, failed loads recomputed) and the proxy console script, on
+# 127.0.0.1, each vLLM worker pinned to its own core. Idle engines cost memory, not cores.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_kvp2p.testing.tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")  # shared: tests/e2e's deployment, and e2e_mla's tiny-Llama control (its P)
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    from vllm_kvp2p.testing.cluster import PDCluster
+
+    with PDCluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("pd-logs"),
+        prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
+        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
+        decode_extra_config={"test_hooks": True},
+        decode_failure_policy="recompute",
+    ) as cluster:
+        yield cluster

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvp2p.testing.cluster import kv_transfer_config
+from vllm_kvp2p.testing.cluster import PDCluster, kv_transfer_config
 from vllm_kvp2p.testing.server import VllmServer, VllmServerError, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE, make_tiny_deepseek_v3
-from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 MLA_ARGS = ("--dtype", "float32", "--block-size", str(MLA_BLOCK_SIZE), "--attention-backend", "CPU_MLA")
 
@@ -67,12 +66,10 @@ def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlaPair]:
 
 
 @pytest.fixture(scope="package")
-def llama_single(mla_pair: MlaPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """The control for the position-consistency check: the same check on the tiny Llama (float32)."""
-    model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-    log = tmp_path_factory.mktemp("llama-logs") / "single.log"
-    with VllmServer(model, free_port(), cpus="0", log_path=log) as server:
-        yield server
+def llama_single(mla_pair: MlaPair, cluster: PDCluster) -> VllmServer:
+    """The control for the position-consistency check: the same check on the tiny Llama (float32), served by the
+    shared deployment's P (a plain request: one instance computes it all)."""
+    return cluster.prefill
 
 
 @pytest.fixture(scope="package")

@@ -67,7 +67,7 @@ import re, sys
 totals = {"passed": 0, "failed": 0, "skipped": 0}
 for path in sys.argv[1:]:
     text = open(path, errors="replace").read().splitlines()
-    closing = [line for line in text if re.search(r"\d+ (passed|failed|errors?)\b", line)]
+    closing = [line for line in text if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)]
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", closing[-1] if closing else ""):
         totals["failed" if word.startswith("error") else word] += int(n)
 print(f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")

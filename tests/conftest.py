@@ -75,6 +75,13 @@ def pytest_ignore_collect(collection_path: Path) -> bool | None:
 def pytest_configure(config: pytest.Config) -> None:
     if MODE not in ("", "pure", "contract"):
         raise pytest.UsageError(f"KVP2P_TESTS={MODE!r}: 'pure', 'contract' or unset")
+    if MODE != "pure":  # every `vllm serve` this run starts, counted and timed (tests/support/engine_starts.py)
+        from tests.support.engine_starts import EngineStartLedger
+
+        ledger = EngineStartLedger()
+        ledger.install()
+        config.pluginmanager.register(ledger, "kvp2p-engine-starts")
+        config.add_cleanup(ledger.uninstall)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,3 +112,60 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         decode_failure_policy="recompute",
     ) as cluster:
         yield cluster
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A test that fails part-way must not fail the next one through what it left behind: holds on a shared P pin
+# blocks for up to hold_timeout + lease_timeout, and the next test's idleness check would see them. After a
+# failed test, every running engine it used is waited on until vLLM reports no KV block in use (bounded by those
+# two timers), so the failure is reported once, where it happened.
+# ---------------------------------------------------------------------------------------------------------------
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+def _engines_in(value: object) -> list[object]:
+    from vllm_kvp2p.testing.server import VllmServer
+
+    if isinstance(value, VllmServer):
+        return [value]
+    found = []
+    for name in ("prefill", "decode", "prefills", "decodes", "producer", "consumer"):
+        part = getattr(value, name, None)
+        for item in part if isinstance(part, (list, tuple)) else [part]:
+            if isinstance(item, VllmServer):
+                found.append(item)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _engines_idle_after_a_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if MODE == "pure" or not request.node.stash.get(_FAILED, False):
+        return
+    import time
+
+    seen: set[int] = set()
+    for value in list(getattr(request.node, "funcargs", {}).values()):
+        for server in _engines_in(value):
+            if id(server) in seen or not server.is_running():
+                continue
+            seen.add(id(server))
+            env = server.env
+            bound = float(env.get("VLLM_KVP2P_HOLD_TIMEOUT", 120)) + float(env.get("VLLM_KVP2P_LEASE_TIMEOUT", 60)) + 10
+            deadline = time.monotonic() + bound
+            while time.monotonic() < deadline:
+                try:
+                    if server.metric("vllm:kv_cache_usage_perc") == 0:
+                        break
+                except Exception:  # noqa: BLE001 - a dead or frozen engine: nothing to wait for
+                    break
+                time.sleep(0.5)

@@ -23,7 +23,7 @@ def secured_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDClus
         model,
         tmp_path_factory.mktemp("auth-logs"),
         # Refused params make D contact no one, not even to release: their holds end at this hold timeout.
-        prefill_env={"VLLM_KVP2P_SECRET": SECRET, "VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_HOLD_TIMEOUT": "15"},
+        prefill_env={"VLLM_KVP2P_SECRET": SECRET, "VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_HOLD_TIMEOUT": "8"},
         decode_env={"VLLM_KVP2P_SECRET_FILE": str(secret_file), "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
         decode_failure_policy="recompute",
     ) as cluster:

@@ -176,19 +176,24 @@ class NetnsPair:
 
 # The cut-off test's hold expires after hold_timeout; a claim that D sent while the link was down may still
 # reach P from the kernel's send buffer once the link is back (D gave up on it long before), and its lease then
-# pins the blocks for lease_timeout. Both short, so that test_both_engines_end_idle need not wait 3 minutes.
-LEASE_TIMEOUT = 20.0
-SHORT_P_TIMERS = {"VLLM_KVP2P_HOLD_TIMEOUT": "20", "VLLM_KVP2P_LEASE_TIMEOUT": f"{LEASE_TIMEOUT:g}",
-                  "VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}
+# pins the blocks for lease_timeout. Both as short as the configuration's own check allows (the lease must exceed
+# 1.5 x (a read of transfer_timeout + 1.5 s + a renewal's 1 s) = 11.25 s at Mooncake's minimum transfer_timeout
+# of 5 s), so that the fault tests that wait for them (test_both_engines_end_idle, the lease-expiry and the
+# killed-D tests) wait 24 s at most instead of the defaults' 3 minutes.
+TRANSFER_TIMEOUT = 5.0
+HOLD_TIMEOUT = 12.0
+LEASE_TIMEOUT = 12.0
+SHORT_P_TIMERS = {"VLLM_KVP2P_HOLD_TIMEOUT": f"{HOLD_TIMEOUT:g}", "VLLM_KVP2P_LEASE_TIMEOUT": f"{LEASE_TIMEOUT:g}",
+                  "VLLM_KVP2P_TRANSFER_TIMEOUT": f"{TRANSFER_TIMEOUT:g}"}
 #: The longest a hold of the pair's P pins its blocks: hold_timeout + lease_timeout.
-P_LONGEST_PIN_S = 20.0 + LEASE_TIMEOUT
+P_LONGEST_PIN_S = HOLD_TIMEOUT + LEASE_TIMEOUT
 
 
 @pytest.fixture(scope="module")
 def pair(network: Network, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsPair]:
     """P and D with no host settings at all."""
     with NetnsPair(network, tiny_model_dir, tmp_path_factory.mktemp("netns-logs"), NO_HOST_SETTINGS,
-                   prefill_env=SHORT_P_TIMERS, decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "10"}) as p:
+                   prefill_env=SHORT_P_TIMERS, decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": f"{TRANSFER_TIMEOUT:g}"}) as p:
         yield p
 
 

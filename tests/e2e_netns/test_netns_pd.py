@@ -26,7 +26,14 @@ from tests.e2e.helpers import (
     tokens_by_source,
     wait_kv_idle,
 )
-from tests.e2e_netns.conftest import LEASE_TIMEOUT, NO_HOST_SETTINGS, P_LONGEST_PIN_S, listening_sockets
+from tests.e2e_netns.conftest import (
+    HOLD_TIMEOUT,
+    LEASE_TIMEOUT,
+    NO_HOST_SETTINGS,
+    P_LONGEST_PIN_S,
+    TRANSFER_TIMEOUT,
+    listening_sockets,
+)
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 if TYPE_CHECKING:
@@ -139,7 +146,7 @@ def slow_p_link(pair: NetnsPair):
 
 
 THROTTLE = "2mbit"  # the pull below: 10 blocks of 64 KiB, about 2.6 s at this rate
-D_TRANSFER_TIMEOUT = 10.0  # the pair's D (VLLM_KVP2P_TRANSFER_TIMEOUT)
+D_TRANSFER_TIMEOUT = TRANSFER_TIMEOUT  # the pair's D (VLLM_KVP2P_TRANSFER_TIMEOUT)
 
 
 def test_p_cut_off_during_a_read_ends_within_transfer_timeout(pair: NetnsPair, slow_p_link: None) -> None:
@@ -184,8 +191,7 @@ def test_both_engines_end_idle(pair: NetnsPair) -> None:
 
 # ---------------------------------------------------------------- engines that die (last: they restart them)
 
-HOLD_TIMEOUT = 20.0  # SHORT_P_TIMERS
-CLAIM_AFTER_S = 8.0
+CLAIM_AFTER_S = HOLD_TIMEOUT / 2  # claimed well before the hold would expire; its lease outlives the hold
 
 def _idle_within(server: VllmServer, seconds: float) -> float:
     t0 = time.monotonic()

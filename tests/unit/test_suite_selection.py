@@ -40,3 +40,65 @@ def test_the_two_selections_split_the_suite() -> None:
     every = {f"tests/unit/{p.name}" for p in (ROOT / "tests" / "unit").glob("test_*.py")}
     assert pure and contract and not pure & contract and pure | contract == every
     assert not modules("pure", "tests/e2e")
+
+
+LEFT_BEHIND = '''
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_kvp2p.testing.server import VllmServer
+
+
+class HeldP(VllmServer):
+    """A P whose KV blocks stay in use for 2 s after the test that made them failed (a hold left behind)."""
+    freed_at = 0.0
+
+    def is_running(self):
+        return True
+
+    @property
+    def env(self):
+        return {"VLLM_KVP2P_HOLD_TIMEOUT": "2", "VLLM_KVP2P_LEASE_TIMEOUT": "1"}
+
+    def metric(self, name, **labels):
+        return 0.0 if time.monotonic() >= HeldP.freed_at else 0.25
+
+
+P = HeldP("model", port=1, log_path="/dev/null")
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    return SimpleNamespace(prefill=P, decode=None)
+%s
+
+def test_fails_with_a_hold_made(deployment):
+    HeldP.freed_at = time.monotonic() + 2
+    assert False, "failed part-way"
+
+
+def test_next_one_finds_p_idle(deployment):
+    assert deployment.prefill.metric("vllm:kv_cache_usage_perc") == 0.0
+'''
+WITHOUT_THE_WAIT = '''
+@pytest.fixture(autouse=True)
+def _engines_idle_after_a_failure():  # overrides tests/conftest.py's: no waiting
+    yield
+'''
+
+
+def test_a_failed_test_leaves_nothing_for_the_next() -> None:
+    """tests/conftest.py waits, after a failed test, until the engines it used report no KV block in use: the next
+    test finds P idle. Without that wait (the fixture overridden), the next test fails on the first one's hold."""
+    results = {}
+    for name, override in (("with", ""), ("without", WITHOUT_THE_WAIT)):
+        module = ROOT / "tests" / "unit" / f"test_selfcheck_{uuid.uuid4().hex[:8]}.py"
+        module.write_text(LEFT_BEHIND % override)
+        try:
+            results[name] = pytest_run("", str(module.relative_to(ROOT)))
+        finally:
+            module.unlink()
+    assert "1 failed, 1 passed" in results["with"].stdout, results["with"].stdout[-2000:]
+    assert "2 failed" in results["without"].stdout, results["without"].stdout[-2000:]

@@ -193,7 +193,8 @@ P_LONGEST_PIN_S = HOLD_TIMEOUT + LEASE_TIMEOUT
 def pair(network: Network, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsPair]:
     """P and D with no host settings at all."""
     with NetnsPair(network, tiny_model_dir, tmp_path_factory.mktemp("netns-logs"), NO_HOST_SETTINGS,
-                   prefill_env=SHORT_P_TIMERS, decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": f"{TRANSFER_TIMEOUT:g}"}) as p:
+                   prefill_env=SHORT_P_TIMERS,
+                   decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": f"{TRANSFER_TIMEOUT:g}"}) as p:
         yield p
 
 

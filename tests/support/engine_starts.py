@@ -1,7 +1,8 @@
-"""How many ``vllm serve`` start-ups a pytest run pays for, and where (issue 22: each costs tens of seconds on a
-2-core machine before a single assertion). A pytest plugin, loaded by tests/conftest.py outside the pure run: it
-wraps :class:`vllm_kvp2p.testing.server.VllmServer` for the session only, and prints one table at the end (and
-writes it as JSON to ``$KVP2P_ENGINE_REPORT`` when set). Nothing in the package knows about it."""
+"""Where a pytest run's time goes: per test package, its tests' seconds (set-up, call and tear-down) and the
+``vllm serve`` start-ups it paid for (each costs tens of seconds on a 2-core machine before a single assertion).
+A pytest plugin, loaded by tests/conftest.py outside the pure run: it wraps
+:class:`vllm_kvp2p.testing.server.VllmServer` for the session only, and prints one table at the end (and writes
+the start-ups as JSON to ``$KVP2P_ENGINE_REPORT`` when set). Nothing in the package knows about it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class EngineStart:
     seconds: float  # start() to the first healthy /health (0 when never ready)
 
 
+def _package(nodeid: str) -> str:
+    """tests/e2e_tp/test_x.py::test_y -> e2e_tp"""
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "-"
+
+
 def _parallel_size(args: tuple[str, ...], *names: str) -> int:
     for i, arg in enumerate(args):
         for name in names:
@@ -38,6 +45,8 @@ class EngineStartLedger:
     def __init__(self) -> None:
         self.current = "(outside a test)"
         self.starts: list[EngineStart] = []
+        self.seconds: dict[str, float] = defaultdict(float)  # package -> its tests' set-up + call + tear-down
+        self.tests: dict[str, int] = defaultdict(int)
         self._undo: list[Any] = []
 
     def install(self) -> None:
@@ -73,7 +82,7 @@ class EngineStartLedger:
         tp = _parallel_size(args, "--tensor-parallel-size", "-tp")
         healthy = server.is_running()
         seconds = time.monotonic() - server.__dict__["_kvp2p_started"] if healthy else 0.0
-        package = self.current.split("/")[1] if self.current.startswith("tests/") else "-"
+        package = _package(self.current)
         self.starts.append(EngineStart(self.current, package, dp, dp * tp, round(seconds, 1)))
 
     # -- pytest hooks -------------------------------------------------------------------------------------------
@@ -83,20 +92,27 @@ class EngineStartLedger:
         yield
         self.current = "(outside a test)"
 
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        package = _package(report.nodeid)
+        self.seconds[package] += report.duration
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.tests[package] += 1
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.starts:
+        if not self.seconds:
             return
         by_package: dict[str, list[EngineStart]] = defaultdict(list)
         for start in self.starts:
             by_package[start.package].append(start)
         write = terminalreporter.write_line
-        terminalreporter.section("engine start-ups (vllm serve)")
-        write(f"{'package':<14} {'servers':>7} {'cores':>5} {'workers':>7} {'s to ready':>10}")
-        for package, starts in sorted(by_package.items(), key=lambda kv: -sum(s.seconds for s in kv[1])):
-            write(f"{package:<14} {len(starts):>7} {sum(s.engine_cores for s in starts):>5} "
+        terminalreporter.section("where the time goes (tests/support/engine_starts.py)")
+        write(f"{'package':<14} {'tests':>5} {'seconds':>7} {'servers':>7} {'cores':>5} {'workers':>7} "
+              f"{'s to ready':>10}")
+        rows = [(p, self.tests[p], self.seconds[p], by_package.get(p, [])) for p in self.seconds]
+        rows.append(("total", sum(self.tests.values()), sum(self.seconds.values()), self.starts))
+        for package, tests, seconds, starts in sorted(rows[:-1], key=lambda r: -r[2]) + rows[-1:]:
+            write(f"{package:<14} {tests:>5} {seconds:>7.0f} {len(starts):>7} {sum(s.engine_cores for s in starts):>5} "
                   f"{sum(s.workers for s in starts):>7} {sum(s.seconds for s in starts):>10.0f}")
-        write(f"{'total':<14} {len(self.starts):>7} {sum(s.engine_cores for s in self.starts):>5} "
-              f"{sum(s.workers for s in self.starts):>7} {sum(s.seconds for s in self.starts):>10.0f}")
         report = os.environ.get("KVP2P_ENGINE_REPORT")
         if report:
             with open(report, "w") as out:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.lifecycle.integrity import query_problem
 from vllm_kvp2p.lifecycle.producer import (
     CLOCK_SKEW,
     EARLY_RELEASE_TTL,
@@ -27,6 +28,7 @@ from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     Claim,
     ClaimStatus,
+    DigestQuery,
     ErrorReply,
     GetRegistration,
     RankRegistration,
@@ -36,6 +38,7 @@ from vllm_kvp2p.protocol import (
     Renew,
     Reply,
     Request,
+    UnitSums,
 )
 from vllm_kvp2p.side_channel import SideChannelServer
 
@@ -62,11 +65,15 @@ class HoldService:
         clock_skew: float = CLOCK_SKEW,
         auth: Authenticator | None = None,
         on_release: Callable[[], None] | None = None,
+        digester: Callable[[DigestQuery], list[tuple[int, int]]] | None = None,
     ) -> None:
         """``on_release``: called (on the side-channel thread) after each release, which may free a hold.
+        ``digester``: this rank's byte sums over a question's units (vllm_kvp2p/transfer/digest.py: sums_of_units
+        over its KV memory); None answers no integrity question (D counts its pulls unverified).
         ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock)."""
         self.registration = registration
         self._on_release = on_release
+        self._digester = digester
         self.ledger = ProducerLedger(
             hold_timeout, lease_timeout, max_holds=max_holds, max_early_releases=max_early_releases,
             early_release_ttl=early_release_ttl, clock_skew=clock_skew,
@@ -155,6 +162,7 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
                 if isinstance(message, Release):
+                    sums = self._answer(message, now)  # before the release: the blocks are still this reader's
                     held = self.ledger.release(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
                         message.lease_token, message.pulled,
@@ -163,10 +171,32 @@ class HoldService:
                                  message.request_id, message.hold_id, message.reader, message.pulled, held)
                     if self._on_release is not None:
                         self._on_release()
-                    return Released(held)
+                    return Released(held, sums if held else None)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:
                 self._log_events()
+
+    def _answer(self, release: Release, now: float) -> list[UnitSums] | None:
+        """P's sums for the release's integrity question, or None (none asked, no digester, the reader's lease
+        not live, or a question over what the hold has: vllm_kvp2p/lifecycle/integrity.query_problem)."""
+        query = release.verify
+        if query is None or self._digester is None:
+            return None
+        blocks = self.ledger.verifiable_blocks(release.request_id, release.hold_id, release.reader, now,
+                                               release.lease_token)
+        planes = self.registration.planes
+        problem = query_problem(query, planes, None) if blocks else "the reader holds no live lease"
+        if not problem and len(query.units) > blocks * len(planes):
+            problem = f"{len(query.units)} units, more than the hold's {blocks} blocks x {len(planes)} planes"
+        if problem:
+            logger.debug("KV hold %s: integrity question of %s not answered: %s", release.request_id, release.reader,
+                         problem)
+            return None
+        try:
+            return [UnitSums(t, w) for t, w in self._digester(query)]
+        except Exception as exc:  # noqa: BLE001 - the release must still be answered
+            logger.warning("KV hold %s: integrity sums failed: %s", release.request_id, exc)
+            return None
 
     def _log_events(self) -> None:
         events = self.ledger.take_events()

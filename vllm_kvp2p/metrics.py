@@ -57,7 +57,7 @@ HOLD_COUNTERS = ("created", "released", "expired", "claims_refused")
 # Known label values, exported at 0 from the start so that rate() works before the first event.
 FAILURE_KINDS = (
     "invalid_params", "unauthenticated", "incompatible", "unreachable", "refused",
-    "timeout", "read_failed", "lease_lost", "internal", "shutdown",
+    "timeout", "read_failed", "lease_lost", "internal", "shutdown", "corrupted",
 )  # fmt: skip
 DROP_REASONS = ("unauthenticated", "undecodable", "handler_error")  # SideChannelServer.dropped
 

@@ -171,6 +171,32 @@ class Renew(msgspec.Struct, frozen=True, tag="renew"):
     lease_token: str = ""  # from the claim's ClaimReply: without it P refuses
 
 
+#: Bounds on one integrity question (vllm_kvp2p/lifecycle/integrity.py); a bigger one is not answered.
+MAX_DIGEST_UNITS = 4096
+MAX_DIGEST_RANGES = 65536
+
+
+class UnitRanges(msgspec.Struct, frozen=True, array_like=True):
+    """Bytes of one unit (plane ``plane`` of P, block ``block``) D read: ``ranges`` is ``[offset, length, ...]``."""
+
+    plane: int
+    block: int
+    ranges: Annotated[list[int], msgspec.Meta(max_length=2 * MAX_DIGEST_RANGES)]
+
+
+class DigestQuery(msgspec.Struct, frozen=True, array_like=True):
+    """Which bytes of the held blocks P is asked to sum (vllm_kvp2p/transfer/digest.py), in D's order."""
+
+    units: Annotated[list[UnitRanges], msgspec.Meta(max_length=MAX_DIGEST_UNITS)]
+
+
+class UnitSums(msgspec.Struct, frozen=True, array_like=True):
+    """P's digest of one queried unit: the exact byte sums of vllm_kvp2p/transfer/digest.py."""
+
+    total: int
+    weighted: int
+
+
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """D is done with the hold (read, failed, or had nothing to read): P may free it."""
 
@@ -180,6 +206,8 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
     expected_readers: int = 1
     pulled: bool = False
     lease_token: str = ""  # from the claim's ClaimReply; "" from a reader with no lease (it only notifies)
+    # The integrity question for what this reader read (None: none asked); P answers it before it frees anything.
+    verify: DigestQuery | None = None
 
 
 class ClaimStatus(str, Enum):
@@ -209,6 +237,7 @@ class Released(msgspec.Struct, frozen=True, tag="released"):
     good only when it did (otherwise the blocks may have been freed and reused under it)."""
 
     lease_held: bool
+    sums: list[UnitSums] | None = None  # the answer to the release's question, in its order (None: not answered)
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):

@@ -20,11 +20,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -55,6 +56,9 @@ from vllm_kvp2p.pull_lanes import MAX_PEERS, Lane, LaneTable
 from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
+
+if TYPE_CHECKING:
+    from vllm_kvp2p.transfer.digest import KVMemory
 
 logger = get_logger(__name__)
 
@@ -91,9 +95,17 @@ class PullLoop:
         auth: Authenticator | None = None,
         suspect_time: float = 10.0,
         on_result: Callable[[], None] | None = None,
+        integrity: IntegrityMode = IntegrityMode.OFF,
+        sampled_units: int = 4,
+        memory: KVMemory | None = None,
     ) -> None:
-        """``on_result``: called (on a pull thread) after each result is ready for :meth:`take_results`."""
+        """``on_result``: called (on a pull thread) after each result is ready for :meth:`take_results`.
+        ``integrity``: which units of each pull are verified (vllm_kvp2p/lifecycle/integrity.py), summed in
+        ``memory`` (this rank's KV memory; None: nothing verified)."""
         self.engine = engine
+        self.integrity = integrity if memory is not None else IntegrityMode.OFF
+        self.sampled_units = sampled_units
+        self.memory = memory
         self.reader = reader
         self.tp_size = tp_size
         self.tp_rank = tp_rank
@@ -223,7 +235,7 @@ class PullLoop:
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
             timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
-            wall_now_ms=time.time_ns() // 1_000_000,
+            wall_now_ms=time.time_ns() // 1_000_000, integrity=self.integrity, sampled_units=self.sampled_units,
         )
 
     def _drive(self, plan: PullPlan, sources: tuple[Source, ...], job: ConsumerPull, client: SideChannelClient,
@@ -327,6 +339,7 @@ class PullLoop:
             finally:
                 slot.release()
         elif isinstance(action, SendRelease):
+            mine = self._local_sums(plan, action.verification)  # before the release: P answers with its own
             budget = job.time_left(time.monotonic())
             if job.failed and job.result().failure is Failure.UNREACHABLE:
                 # P just did not answer: one short try, so that the lane is free for the next plan; P's hold
@@ -340,7 +353,21 @@ class PullLoop:
                                "hold_timeout frees the blocks", plan.request_id, action.source.p_rank, exc)
                 job.on_release_failed(action.source)
                 return
-            job.on_release_sent(action.source, isinstance(answer, Released) and answer.lease_held)
+            released = answer if isinstance(answer, Released) else None
+            theirs = released.sums if released is not None and mine is not None else None
+            job.on_release_sent(action.source, released is not None and released.lease_held, mine or (), theirs)
+
+    def _local_sums(self, plan: PullPlan, verification: Verification | None) -> list[tuple[int, int]] | None:
+        """D's sums over its copies of the units the release asks P about; None when none are asked or they
+        cannot be computed (the pull then counts as unverified, not as corrupted)."""
+        if verification is None or self.memory is None:
+            return None
+        try:
+            runs = [(r.addr, r.offset, r.length, r.unit) for r in verification.local_runs]
+            return self.memory.sums(runs, len(verification.query.units))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not fail a good pull
+            logger.warning("integrity sums of %s on D failed: %s", plan.request_id, exc)
+            return None
 
     def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
         """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""

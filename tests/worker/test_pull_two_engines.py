@@ -13,9 +13,11 @@ from tests.support.ports import free_port
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
+from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry
 
@@ -47,8 +49,9 @@ def _local(kv: dict[str, torch.Tensor], num_blocks: int) -> tuple[LocalKV, list]
 
 class Pair:
     def __init__(self, hold_timeout: float = 30.0, lease_timeout: float = 30.0, auth: Authenticator | None = None,
-                 d_auth: Authenticator | None = None) -> None:
-        """``auth``: P's shared-secret authenticator (and D's, unless ``d_auth`` gives D another)."""
+                 d_auth: Authenticator | None = None, integrity: IntegrityMode = IntegrityMode.OFF) -> None:
+        """``auth``: P's shared-secret authenticator (and D's, unless ``d_auth`` gives D another). ``integrity``:
+        D's digest mode (P always answers integrity questions, as the worker sets it up)."""
         self.p_kv, self.d_kv = _kv(P_BLOCKS, 1), _kv(D_BLOCKS, 2)
         p_planes, p_shapes, p_regions = _planes(self.p_kv, P_BLOCKS)
         d_local, d_regions = _local(self.d_kv, D_BLOCKS)
@@ -60,10 +63,12 @@ class Pair:
         self.engine_id = "p-" + uuid.uuid4().hex[:6]
         reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, p_shapes, list(self.p_kv),
                                BLOCK, P_BLOCKS, "float32", HEADS, HEADS, HEAD)
+        p_memory = KVMemory(list(self.p_kv.values()))
         self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=hold_timeout, lease_timeout=lease_timeout,
-                                 auth=auth)
+                                 auth=auth, digester=lambda query: sums_of_units(p_memory, p_planes, query))
         self.pulls = PullLoop(self.d_engine, reader="d:0", tp_size=1, tp_rank=0, local=d_local,
-                              side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4, auth=d_auth or auth)
+                              side_channel_timeout=2, claim_wait=1.0, max_batch_entries=4, auth=d_auth or auth,
+                              integrity=integrity, memory=KVMemory(list(self.d_kv.values())))
 
     def plan(self, request_id: str, remote_ids: list[int], local_ids: list[int], hold_id: str = "h1",
              awaiting: bool = True) -> PullPlan:

@@ -11,6 +11,7 @@ every P rank frees the request once all the D ranks told to expect have released
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,11 +24,13 @@ from tests.support.ports import free_port_run
 from tests.support.vllm_cpu_kv import kv_shape, write_tokens
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
 from vllm_kvp2p.platform.cpu import CpuPlatform
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.tp_mapping import Layout
+from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import TensorView, kv_geometry
 
@@ -129,10 +132,11 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
                                [f"layer.{i}" for i in range(LAYERS)], p_bs, p_num_blocks[r], str(dtype)[6:],
                                p_layout.heads_per_rank, heads, HEAD_DIM, use_mla=mla)
         # D addresses P rank r at base_port + r, as P's worker r listens in a real engine.
-        holds.append(HoldService(reg, "127.0.0.1", base_port + r, hold_timeout=30, lease_timeout=30))
+        holds.append(HoldService(reg, "127.0.0.1", base_port + r, hold_timeout=30, lease_timeout=30,
+                                 digester=functools.partial(sums_of_units, KVMemory(tensors), planes)))
     try:
         for hs in holds:
-            hs.hold(req, "hold-1")
+            hs.hold(req, "hold-1", len(p_ids))
         first, offset = divmod(first_token, p_bs)
         remote = RemotePrefill(engine_id, req, "127.0.0.1", base_port, [list(p_ids)], "hold-1", total, p_bs,
                                tp_size=p_tp)
@@ -146,7 +150,8 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
             local = LocalKV(tuple(planes), tuple(shapes), d_bs, tuple(f"layer.{i}" for i in range(LAYERS)),
                             str(dtype)[6:], heads, mla)
             loop = PullLoop(d_ranks[d].engine, reader=f"D:{d}", tp_size=d_tp, tp_rank=d, local=local,
-                            side_channel_timeout=3, claim_wait=2, max_batch_entries=64)
+                            side_channel_timeout=3, claim_wait=2, max_batch_entries=64,
+                            integrity=IntegrityMode.FULL, memory=KVMemory(tensors))
             d_ids = list(range(2, 2 + -(-n_tokens // d_bs)))
             remote_ids = tuple(p_ids[first:]) if p_bs != d_bs else tuple(p_ids[first : first + len(d_ids)])
             # What the pull copies: D's blocks from token 0, P's from the offset, until either list ends.
@@ -164,6 +169,8 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
             assert results, f"D rank {d} got no result"
             result = results[0].result
             assert result.outcome is Outcome.PULLED, result.reason
+            # every unit D read was summed on both sides and matched, whatever the TP and block sizes cut
+            assert result.verified_units > 0 and not result.unverified, result
             loop.close()
         # every byte of every pulled block == the kernel's own write of those positions on D's side (both start
         # from the same filler: the pull writes the pulled positions' bytes and nothing else)

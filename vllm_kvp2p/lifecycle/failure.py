@@ -19,3 +19,4 @@ class Failure(str, Enum):
     INTERNAL = "internal"  # a bug: the pull crashed
     LEASE_LOST = "lease_lost"  # P could not confirm the lease held through the read: it does not count
     SHUTDOWN = "shutdown"  # the engine is stopping: what was not read yet is not read
+    CORRUPTED = "corrupted"  # the bytes D read differ from P's (the integrity digest, lifecycle/integrity.py)

@@ -267,6 +267,16 @@ class ProducerLedger:
         hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
+    def verifiable_blocks(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str) -> int:
+        """How many blocks an integrity question from ``reader`` may cover (vllm_kvp2p/lifecycle/integrity.py): the
+        hold's block count while that reader's lease on it is live and the release carries its token, else 0 (P
+        answers nothing: its blocks may not be the ones the reader read)."""
+        hold = self._holds.get((request_id, hold_id))
+        lease = hold.leases.get(reader) if hold is not None else None
+        if hold is None or lease is None or lease.until <= now:
+            return 0
+        return hold.num_blocks if secrets.compare_digest(lease_token.encode(), lease.token.encode()) else 0
+
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
         pulled: bool = False,

@@ -17,6 +17,7 @@ the receive be reported (reporting it for a RUNNING request kills vLLM's schedul
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from vllm_kvp2p.kv_groups import STATE
 from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Judgement, Verdict, Verification, judge, verification_for
 from vllm_kvp2p.lifecycle.pull_actions import (
     Action,
     FetchRegistration,
@@ -38,7 +40,7 @@ from vllm_kvp2p.lifecycle.pull_actions import (
     Source,
     Wait,
 )
-from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew
+from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew, UnitSums
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
@@ -77,6 +79,7 @@ class _SourceState:
     released: bool = False
     registration_in_claim: bool = False  # none cached: the claim asks for it
     fetch_registration: bool = False  # P granted without it (an older P): fetch it before reading
+    verification: Verification | None = None  # the integrity question for what is read from this rank
 
 
 class ConsumerPull:
@@ -95,6 +98,8 @@ class ConsumerPull:
         timeout: float = float("inf"),
         release_timeout: float = float("inf"),
         claim_id: str = "",
+        integrity: IntegrityMode = IntegrityMode.OFF,
+        sampled_units: int = 4,
         wall_now_ms: int = 0,
     ) -> None:
         """``timeout``: the whole pull's budget (every round trip and read, from ``now``); past it the pull fails.
@@ -105,6 +110,10 @@ class ConsumerPull:
         that P refuses a claim delivered after D gave up and leases no longer than D may read."""
         self.plan = plan
         self.claim_id = claim_id
+        self.integrity = integrity
+        self.sampled_units = sampled_units
+        self._verified_units = 0
+        self._unverified = False
         self.reader = reader
         self.local = local
         self.claim_wait = claim_wait
@@ -148,7 +157,8 @@ class ConsumerPull:
                 self._give_up_releases()
             for st in self._sources:
                 if not st.released:
-                    return SendRelease(st.source, self._release(st))
+                    asked = st.verification if self._pulled(st.source) else None
+                    return SendRelease(st.source, self._release(st, asked), asked)
             self._phase = _Phase.DONE
             self._result = self._make_result()
             return Finish(self._result)
@@ -265,16 +275,34 @@ class ConsumerPull:
         if not st.batches:
             self._next_source()
 
-    def on_release_sent(self, source: Source, lease_held: bool = True) -> None:
+    def on_release_sent(self, source: Source, lease_held: bool = True, mine: Sequence[tuple[int, int]] = (),
+                        theirs: Sequence[UnitSums] | None = None) -> None:
         """P answered the release; ``lease_held``: P confirms the lease held from claim to release. A read from
-        this rank counts only then: otherwise its blocks may have been freed and reused during the read."""
+        this rank counts only then: otherwise its blocks may have been freed and reused during the read. With the
+        release's integrity question, ``mine`` are D's sums over its copies and ``theirs`` P's answer: a read
+        counts only when they are equal (none from P: unverified, counted, not failed)."""
         for st in self._sources:
             if st.source == source:
                 if self._pulled(st.source) and not lease_held:
                     self._failure = (f"P rank {source.p_rank} did not confirm that the lease held through the read "
                                      "(it lapsed: the blocks may have been freed during the read)")
                     self._kind = Failure.LEASE_LOST
+                elif self._pulled(st.source) and st.verification is not None:
+                    self._judge(st, judge(st.verification.query, mine, theirs))
                 st.released = True
+
+    def _judge(self, st: _SourceState, judgement: Judgement) -> None:
+        if judgement.verdict is Verdict.UNVERIFIED:
+            self._unverified = True
+        elif judgement.verdict is Verdict.MATCHED:
+            self._verified_units += judgement.units
+        else:
+            bad = judgement.first_bad
+            assert bad is not None and st.registration is not None
+            where = _plane_name(st.registration, bad.plane)
+            self._failure = (f"the bytes read from P rank {st.source.p_rank} ({st.registration.segment}) differ from "
+                             f"P's: {where}, P block {bad.block} (the first of {judgement.units} units compared)")
+            self._kind = Failure.CORRUPTED
 
     def abort(self, reason: str) -> None:
         """Stop reading (the engine is stopping): the pull fails and goes straight to the releases."""
@@ -363,6 +391,9 @@ class ConsumerPull:
             return False
         st.registration = registration
         st.batches = descriptors.batches(self.max_batch_entries) if len(descriptors) else []
+        seed = int.from_bytes(hashlib.sha256(f"{self.claim_id}/{source.p_rank}".encode()).digest()[:8], "little")
+        st.verification = verification_for(descriptors, registration.planes, self.integrity, seed,
+                                           self.sampled_units)
         self._descriptors += len(descriptors)
         return True
 
@@ -376,10 +407,10 @@ class ConsumerPull:
         """Whether this pull read from ``source`` and still counts that read (so P's confirmation matters)."""
         return not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
 
-    def _release(self, st: _SourceState) -> Release:
+    def _release(self, st: _SourceState, asked: Verification | None = None) -> Release:
         r, source = self.plan.remote, st.source
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
-                       self._pulled(source), st.lease_token)
+                       self._pulled(source), st.lease_token, asked.query if asked is not None else None)
 
     def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
         """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
@@ -449,7 +480,19 @@ class ConsumerPull:
             num_descriptors=self._descriptors,
             reason=self._failure,
             failure=self._kind if outcome is Outcome.FAILED else None,
+            verified_units=self._verified_units if outcome is Outcome.PULLED else 0,
+            unverified=self._unverified and outcome is Outcome.PULLED,
         )
+
+
+def _plane_name(reg: RankRegistration, plane: int) -> str:
+    """A plane as an operator knows it: its layer, and K or V where they are separate planes (NPU)."""
+    layers, planes = len(reg.layer_names), len(reg.planes)
+    if layers and planes == layers:
+        return f"layer {reg.layer_names[plane]}"
+    if layers and planes == 2 * layers:
+        return f"layer {reg.layer_names[plane // 2]} {'KV'[plane % 2]}"
+    return f"plane {plane}"
 
 
 def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:

@@ -16,6 +16,7 @@ from typing import Union
 
 from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import Failure
+from vllm_kvp2p.lifecycle.integrity import Verification
 from vllm_kvp2p.protocol import Claim, Release, Renew
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
@@ -91,6 +92,9 @@ class SendRenew:
 class SendRelease:
     source: Source
     message: Release
+    # The integrity check of what was read from this rank: the adapter sums D's copies (``local_runs``) before
+    # sending, and hands them with P's answer to ConsumerPull.on_release_sent.
+    verification: Verification | None = None
 
 
 class Outcome(enum.Enum):
@@ -110,6 +114,8 @@ class PullResult:
     num_descriptors: int = 0
     reason: str = ""
     failure: Failure | None = None  # set when the outcome is FAILED
+    verified_units: int = 0  # units whose digests P and D compared and found equal
+    unverified: bool = False  # a rank read from gave no digests (an older P), with integrity checks on
 
     @property
     def report_finished(self) -> bool:
@@ -140,4 +146,6 @@ FAILURE_HINTS: dict[Failure, str] = {
     Failure.TIMEOUT: "pull_timeout bounds a whole pull",
     Failure.READ_FAILED: "a Mooncake read failed: transfer_timeout, protocol, device_name",
     Failure.LEASE_LOST: "the read outlived the lease: lease_timeout on P vs transfer_timeout on D",
+    Failure.CORRUPTED: "the bytes read differ from P's: the transfer path, memory or the KV layout "
+                       "(docs/troubleshooting.md)",
 }

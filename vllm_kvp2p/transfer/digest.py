@@ -23,11 +23,15 @@ below 2^24. :func:`digest_reference` is the definition in plain Python, for test
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
+
+from vllm_kvp2p.protocol import DigestQuery
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 #: Largest unit the int64 sums are exact for.
 MAX_UNIT_BYTES = 1 << 26
@@ -150,3 +154,50 @@ def digest_reference(unit_bytes: bytes, offsets: Sequence[int] | None = None) ->
 def _check_unit(unit_bytes: int) -> None:
     if not 0 < unit_bytes <= MAX_UNIT_BYTES:
         raise ValueError(f"a unit of {unit_bytes} bytes: the digest's sums are exact for 1 .. 2^26 bytes")
+
+
+class KVMemory:
+    """A worker's KV memory addressed as Mooncake addresses it: the storages behind its KV tensors, looked up by
+    address, so that byte runs named by address (P's blocks, D's read destinations) are summed where they live."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        spans: dict[int, torch.Tensor] = {}
+        for tensor in tensors:
+            memory = region_bytes(tensor)
+            spans.setdefault(tensor.untyped_storage().data_ptr(), memory)
+        self._bases = sorted(spans)
+        self._memory = [spans[b] for b in self._bases]
+
+    def sums(self, runs: Sequence[tuple[int, int, int, int]], num_units: int) -> list[tuple[int, int]]:
+        """``(total, weighted)`` per unit of ``runs``: ``(address, offset in unit, length, unit)`` each. Raises
+        ValueError for a run outside every storage."""
+        by_storage: dict[int, Runs] = {}
+        for addr, offset, length, unit in runs:
+            at = bisect.bisect_right(self._bases, addr) - 1
+            if at < 0 or addr + length > self._bases[at] + self._memory[at].numel():
+                raise ValueError(f"{length} bytes at {addr:#x} lie outside the KV memory")
+            part = by_storage.setdefault(at, Runs([], [], [], []))
+            part.starts.append(addr - self._bases[at])  # type: ignore[attr-defined]
+            part.offsets.append(offset)  # type: ignore[attr-defined]
+            part.lengths.append(length)  # type: ignore[attr-defined]
+            part.units.append(unit)  # type: ignore[attr-defined]
+        total = [0] * num_units
+        weighted = [0] * num_units
+        for at, part in by_storage.items():
+            t, w = digest_runs(self._memory[at], part, num_units)
+            for u, (a, b) in enumerate(zip(t.tolist(), w.tolist())):
+                total[u] += a
+                weighted[u] += b
+        return list(zip(total, weighted))
+
+
+def sums_of_units(memory: KVMemory, planes: Sequence[PlaneGeometry], query: DigestQuery) -> list[tuple[int, int]]:
+    """P's answer to an integrity question: the sums of each unit's ranges where its plane's block lies (the
+    question was checked against ``planes`` first: vllm_kvp2p/lifecycle/integrity.query_problem)."""
+    runs = []
+    for index, unit in enumerate(query.units):
+        plane = planes[unit.plane]
+        start = plane.base_addr + unit.block * plane.block_stride
+        for offset, length in zip(unit.ranges[::2], unit.ranges[1::2]):
+            runs.append((start + offset, offset, length, index))
+    return memory.sums(runs, len(query.units))

@@ -1,0 +1,134 @@
+"""Whether the bytes D read are the bytes P offered (issue 23): which units a pull verifies, what D asks P for,
+and the verdict. Pure: no torch, no sockets; the adapters compute the sums (vllm_kvp2p/transfer/digest.py).
+
+A *unit* is one block of one plane on P. From a pull's read descriptors (D address, P address, length) D names,
+per unit, the byte ranges it read in P's coordinates (offsets from the block's start, merged, in P's order): P
+sums exactly those bytes of its held block, D the same bytes where it wrote them, and the sums are equal exactly
+when the bytes are (see the digest module for why any split gives the same sums). The question travels in D's
+release of the hold (P still holds the blocks while it answers), the answer in P's reply to it: no extra round
+trip. A P that does not answer it (an older release) leaves the pull *unverified*, counted, not failed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_kvp2p.protocol import MAX_DIGEST_RANGES as MAX_RANGES
+from vllm_kvp2p.protocol import MAX_DIGEST_UNITS as MAX_UNITS
+from vllm_kvp2p.protocol import DigestQuery, UnitRanges, UnitSums
+from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
+
+
+class IntegrityMode(str, enum.Enum):
+    OFF = "off"
+    SAMPLED = "sampled"  # a few units of every pull (the last one always: partial blocks live there)
+    FULL = "full"  # every unit of every pull
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """Where D wrote bytes ``offset`` .. ``offset + length`` of query unit ``unit``: at ``addr``."""
+
+    addr: int
+    offset: int
+    length: int
+    unit: int
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What D checks for one P rank: the question for P and where D's copies of those bytes are."""
+
+    query: DigestQuery
+    local_runs: tuple[LocalRun, ...]
+
+
+class Verdict(enum.Enum):
+    MATCHED = "matched"
+    MISMATCHED = "mismatched"
+    UNVERIFIED = "unverified"  # P gave no sums (an older P, or a question over its bounds)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: Verdict
+    units: int = 0  # units compared
+    first_bad: UnitRanges | None = None  # the first unit whose sums differ
+
+
+def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeometry], mode: IntegrityMode,
+                     seed: int, sampled_units: int = 4) -> Verification | None:
+    """The question for P and D's runs for a pull's ``descriptors`` from one P rank with ``remote_planes``: every
+    unit read (``FULL``), or ``sampled_units`` of them drawn with ``seed`` plus the last one (``SAMPLED``). None
+    when nothing is verified. Raises ValueError for a descriptor outside every plane (D built it from P's
+    registration: that is a bug, not a peer's doing)."""
+    if mode is IntegrityMode.OFF or not len(descriptors):
+        return None
+    order = sorted(range(len(remote_planes)), key=lambda i: remote_planes[i].base_addr)
+    bases = [remote_planes[i].base_addr for i in order]
+    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # unit -> (offset, length, local addr)
+    for local, remote, length in zip(descriptors.local_addrs, descriptors.remote_addrs, descriptors.lengths):
+        at = bisect.bisect_right(bases, remote) - 1
+        if at < 0:
+            raise ValueError(f"remote address {remote:#x} lies below every plane")
+        p = order[at]
+        plane = remote_planes[p]
+        start = remote - plane.base_addr
+        while length > 0:  # a merged run spans blocks: one piece per block
+            block, offset = divmod(start, plane.block_stride)
+            if block >= plane.num_blocks or offset >= plane.block_bytes:
+                raise ValueError(f"remote address {plane.base_addr + start:#x} lies outside plane {p}'s blocks")
+            n = min(length, plane.block_bytes - offset)
+            pieces.setdefault((p, block), []).append((offset, n, local))
+            local, start, length = local + n, start + n, length - n
+            if length and offset + n == plane.block_bytes:
+                start = (block + 1) * plane.block_stride
+    units = list(pieces)
+    if mode is IntegrityMode.SAMPLED and len(units) > sampled_units + 1:
+        last = units[-1]
+        units = random.Random(seed).sample(units[:-1], sampled_units) + [last]
+    units = units[:MAX_UNITS]
+    query, runs = [], []
+    for index, unit in enumerate(units):
+        merged: list[int] = []
+        for offset, n, local in sorted(pieces[unit]):
+            runs.append(LocalRun(local, offset, n, index))
+            if merged and merged[-2] + merged[-1] == offset:
+                merged[-1] += n
+            else:
+                merged += [offset, n]
+        query.append(UnitRanges(unit[0], unit[1], merged))
+    return Verification(DigestQuery(query), tuple(runs))
+
+
+def query_problem(query: DigestQuery, planes: Sequence[PlaneGeometry], held_blocks: set[tuple[int, int]] | None
+                  ) -> str:
+    """Why P does not answer ``query`` ("" when it does): over its bounds, or naming a plane, block or byte range
+    it does not have, or (``held_blocks`` given) a block outside the hold the release is for."""
+    if len(query.units) > MAX_UNITS or sum(len(u.ranges) // 2 for u in query.units) > MAX_RANGES:
+        return f"over {MAX_UNITS} units or {MAX_RANGES} ranges"
+    for unit in query.units:
+        if not 0 <= unit.plane < len(planes) or len(unit.ranges) % 2:
+            return f"unit {unit.plane}/{unit.block}: no such plane, or ranges not in pairs"
+        plane = planes[unit.plane]
+        if not 0 <= unit.block < plane.num_blocks or (held_blocks is not None
+                                                      and (unit.plane, unit.block) not in held_blocks):
+            return f"unit {unit.plane}/{unit.block}: not a block of this hold"
+        for offset, length in zip(unit.ranges[::2], unit.ranges[1::2]):
+            if offset < 0 or length <= 0 or offset + length > plane.block_bytes:
+                return f"unit {unit.plane}/{unit.block}: range {offset}+{length} outside its {plane.block_bytes} B"
+    return ""
+
+
+def judge(query: DigestQuery, mine: Sequence[tuple[int, int]], theirs: Sequence[UnitSums] | None) -> Judgement:
+    """D's sums ``mine`` against P's ``theirs`` for the units of ``query``, in order."""
+    if theirs is None or len(theirs) != len(query.units):
+        return Judgement(Verdict.UNVERIFIED)
+    for unit, (total, weighted), sums in zip(query.units, mine, theirs):
+        if (total, weighted) != (sums.total, sums.weighted):
+            return Judgement(Verdict.MISMATCHED, len(query.units), unit)
+    return Judgement(Verdict.MATCHED, len(query.units))

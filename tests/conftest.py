@@ -108,7 +108,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tmp_path_factory.mktemp("pd-logs"),
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
         decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
-        decode_extra_config={"test_hooks": True},
+        decode_extra_config={"test_hooks": True, "integrity": "full"},  # every pull's bytes verified
         decode_failure_policy="recompute",
     ) as cluster:
         yield cluster

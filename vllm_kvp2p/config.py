@@ -25,6 +25,7 @@ RENEWAL_REACHES_P_S = 1.0
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
 PLATFORMS = ("auto", "cpu", "npu")
+INTEGRITY_MODES = ("off", "sampled", "full")  # vllm_kvp2p/lifecycle/integrity.IntegrityMode
 #: Addresses that mean "every interface": fine to bind (bind_host), never an address to give a peer (host).
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 
@@ -166,6 +167,17 @@ class KVP2PConfig:
     # Where each setting came from (key -> "default", "VLLM_KVP2P_<KEY>" or "kv_connector_extra_config"), for the
     # start-up line and `vllm-kvp2p check`; set by from_sources.
     sources: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    integrity: str = setting(
+        "off",
+        "KV integrity digest of pulled blocks (docs/reliability.md): `off`, `sampled` (a few blocks of every pull"
+        " and always its last one) or `full` (every block of every pull). D sums the bytes it read, P the same "
+        "bytes of its held blocks, compared in the release's round trip; a mismatch fails the load as "
+        "`corrupted`",
+    )
+    integrity_sampled_units: int = setting(
+        4,
+        "with `integrity=sampled`: blocks (of one layer plane each) verified per pull besides its last, 1..1024",
+    )
     test_hooks: bool = setting(
         False,
         "test only: D honours `\"kvp2p_test_corrupt\": true` in a request's `kv_transfer_params` by overwriting "
@@ -221,6 +233,9 @@ class KVP2PConfig:
 
     def validate(self) -> None:
         _choice(self.platform, PLATFORMS, "platform")
+        _choice(self.integrity, INTEGRITY_MODES, "integrity")
+        if not 1 <= self.integrity_sampled_units <= 1024:
+            raise ConfigError(f"integrity_sampled_units={self.integrity_sampled_units}: allowed values are 1..1024")
         if self.protocol:
             _choice(self.protocol, PROTOCOLS, "protocol")
         if self.host in WILDCARD_HOSTS:
@@ -449,6 +464,8 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "peer_ports": _as_str,
     "secret_file": _as_str,
     "clock_skew": _as_float,
+    "integrity": _as_lower_str,
+    "integrity_sampled_units": _as_int,
     "test_hooks": _as_bool,
 }
 

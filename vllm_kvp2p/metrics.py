@@ -53,6 +53,8 @@ HOLDS = "holds"  # {counter: n}
 DROPPED = "dropped"  # {reason: n}
 GAUGES = "gauges"  # {rank: {"blocks_held": int, "oldest_hold_age": float}}, latest per rank
 HOLD_COUNTERS = ("created", "released", "expired", "claims_refused")
+INTEGRITY = "integrity"  # {counter: n}: D's pulls whose digests matched / that P gave no digests for
+INTEGRITY_COUNTERS = ("verified", "unverified")
 
 # Known label values, exported at 0 from the start so that rate() works before the first event.
 FAILURE_KINDS = (
@@ -81,6 +83,7 @@ def _empty() -> dict[str, Any]:
         UNSAMPLED: 0,
         FAILURES: {},
         HOLDS: dict.fromkeys(HOLD_COUNTERS, 0),
+        INTEGRITY: dict.fromkeys(INTEGRITY_COUNTERS, 0),
         DROPPED: {},
         GAUGES: {},
     }
@@ -99,8 +102,9 @@ def _normalize(data: dict[str, Any] | None) -> dict[str, Any]:
     out[UNSAMPLED] = int(data.get(UNSAMPLED) or 0)
     for key in (FAILURES, DROPPED):
         out[key] = {str(k): int(v) for k, v in (data.get(key) or {}).items()}
-    for name, n in (data.get(HOLDS) or {}).items():
-        out[HOLDS][str(name)] = int(n)
+    for key in (HOLDS, INTEGRITY):
+        for name, n in (data.get(key) or {}).items():
+            out[key][str(name)] = int(n)
     out[GAUGES] = {
         str(rank): {"blocks_held": int(g.get("blocks_held", 0)), "oldest_hold_age": float(g.get("oldest_hold_age", 0))}
         for rank, g in (data.get(GAUGES) or {}).items()
@@ -158,6 +162,11 @@ class Kvp2pStats(KVConnectorStats):
         if claim_rtt is not None and len(self.data[CLAIM_RTT]) < MAX_SAMPLES:
             self.data[CLAIM_RTT].append(float(claim_rtt))
 
+    def record_integrity(self, verified: bool) -> None:
+        """D: one good pull whose digests P and D compared and found equal (``verified``), or that P gave none
+        for with integrity checks on (an older P)."""
+        self.data[INTEGRITY]["verified" if verified else "unverified"] += 1
+
     def record_failure(self, kind: str) -> None:
         """D: one pull failed (kinds: ``lifecycle.consumer.Failure`` values)."""
         _add_counts(self.data[FAILURES], {str(kind): 1})
@@ -206,6 +215,7 @@ class Kvp2pStats(KVConnectorStats):
             or d[UNSAMPLED]
             or any(d[FAILURES].values())
             or any(d[HOLDS].values())
+            or any(d[INTEGRITY].values())
             or any(d[DROPPED].values())
         )
 
@@ -221,8 +231,9 @@ class Kvp2pStats(KVConnectorStats):
         mine[CLAIM_RTT].extend(theirs[CLAIM_RTT][: max(MAX_SAMPLES - len(mine[CLAIM_RTT]), 0)])
         _add_counts(mine[FAILURES], theirs[FAILURES])
         _add_counts(mine[DROPPED], theirs[DROPPED])
-        for name, n in theirs[HOLDS].items():
-            mine[HOLDS][name] = mine[HOLDS].get(name, 0) + n
+        for key in (HOLDS, INTEGRITY):
+            for name, n in theirs[key].items():
+                mine[key][name] = mine[key].get(name, 0) + n
         for rank, values in theirs[GAUGES].items():
             mine[GAUGES][_bounded(mine[GAUGES], rank, MAX_RANKS)] = values
         return self
@@ -247,6 +258,9 @@ class Kvp2pStats(KVConnectorStats):
             if d[CLAIM_RTT]:
                 out["Avg claim RTT (ms)"] = round(sum(d[CLAIM_RTT]) / len(d[CLAIM_RTT]) * 1e3, 3)
             out["Failures"] = failures
+            if any(d[INTEGRITY].values()):
+                out["Verified"] = d[INTEGRITY]["verified"]
+                out["Unverified"] = d[INTEGRITY]["unverified"]
             for kind in sorted(d[FAILURES]):
                 if d[FAILURES][kind]:
                     out[f"Failures {kind}"] = d[FAILURES][kind]
@@ -314,6 +328,13 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
         self.holds_released = counter("vllm:kvp2p_holds_released", "Holds freed because their decoder released them.")
         self.holds_expired = counter("vllm:kvp2p_holds_expired", "Holds freed at hold or lease expiry.")
         self.claims_refused = counter("vllm:kvp2p_claims_refused", "Claims P's side channel refused.")
+        self.pulls_verified = counter(
+            "vllm:kvp2p_pulls_verified", "Pulls on D whose integrity digests matched P's (mismatches: pull_failures "
+            "with reason corrupted)."
+        )
+        self.pulls_unverified = counter(
+            "vllm:kvp2p_pulls_unverified", "Pulls on D with integrity checks on that P gave no digests for."
+        )
         self.blocks_held = gauge("vllm:kvp2p_blocks_held", "KV blocks P holds for decoders, summed over its ranks.")
         self.oldest_hold_age = gauge(
             "vllm:kvp2p_oldest_hold_age_seconds", "Age of the oldest hold on P (max over its ranks)."
@@ -360,6 +381,10 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
         ):
             if holds.get(name):
                 metric[engine_idx].inc(holds[name])
+        integrity = data.get(INTEGRITY) or {}
+        for metric, name in zip((self.pulls_verified, self.pulls_unverified), INTEGRITY_COUNTERS):
+            if integrity.get(name):
+                metric[engine_idx].inc(integrity[name])
         for parent, key in ((self._failures, FAILURES), (self._dropped, DROPPED)):
             for reason, n in (data.get(key) or {}).items():
                 if n:

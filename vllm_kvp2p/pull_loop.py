@@ -90,6 +90,7 @@ class PullLoop:
         claim_wait: float,
         max_batch_entries: int,
         after_pull: Callable[[PullPlan, PullResult], None] | None = None,
+        before_verify: Callable[[PullPlan, Verification], None] | None = None,
         max_threads: int = 4,
         pull_timeout: float = 60.0,
         auth: Authenticator | None = None,
@@ -114,6 +115,7 @@ class PullLoop:
         self.claim_wait = claim_wait
         self.max_batch_entries = max_batch_entries
         self.after_pull = after_pull
+        self.before_verify = before_verify  # test hook: sees what a pull read before its integrity check
         self.on_result = on_result
         self.pull_timeout = pull_timeout
         self.auth = auth
@@ -362,6 +364,8 @@ class PullLoop:
         cannot be computed (the pull then counts as unverified, not as corrupted)."""
         if verification is None or self.memory is None:
             return None
+        if self.before_verify is not None:
+            self.before_verify(plan, verification)
         try:
             runs = [(r.addr, r.offset, r.length, r.unit) for r in verification.local_runs]
             return self.memory.sums(runs, len(verification.query.units))

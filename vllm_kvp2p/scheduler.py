@@ -75,6 +75,8 @@ class PullReport:
     seconds: float
     reason: str = ""
     failure: str = ""  # lifecycle.consumer.Failure value, for the metrics
+    verified: int = 0  # units (a block of one plane) whose integrity digests matched P's, over all ranks
+    unverified: bool = False  # a rank's P gave no digests with integrity checks on
 
     def merge(self, other: PullReport) -> PullReport:
         return PullReport(
@@ -85,6 +87,8 @@ class PullReport:
             max(self.seconds, other.seconds),
             self.reason or other.reason,
             self.failure or other.failure,
+            self.verified + other.verified,
+            self.unverified or other.unverified,
         )
 
 
@@ -395,4 +399,6 @@ def _report_dict(report: PullReport) -> dict[str, Any]:
         "seconds": round(report.seconds, 6),
         **({"reason": report.reason} if report.reason else {}),
         **({"failure": report.failure} if report.failure else {}),
+        **({"verified": report.verified} if report.verified else {}),
+        **({"unverified": True} if report.unverified else {}),
     }

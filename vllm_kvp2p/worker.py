@@ -2,11 +2,13 @@
 P-side :class:`HoldService` / D-side :class:`PullLoop`.
 
 Runs in every vLLM worker process. It translates torch tensors into plain geometry once (at registration) and
-never touches torch on the request path, except for the test-only corruption hook.
+never touches torch on the request path, except for the integrity digest (vllm_kvp2p/transfer/digest.py sums KV
+bytes where they live) and the test-only corruption hook.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -20,6 +22,7 @@ from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.identity import incarnation, model_fingerprint
 from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, layer_groups_from_vllm
 from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.metrics import Kvp2pStats
@@ -232,6 +235,11 @@ class WorkerSide:
             model_fingerprint=self.model_fingerprint,
         )
         auth = Authenticator(config.secret, config.clock_skew) if config.secret else None
+        # The integrity digest reads the KV where it lives (vllm_kvp2p/transfer/digest.py): P answers D's questions
+        # over its held blocks, D sums its copies.
+        from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
+
+        memory = KVMemory([t for entry in self._kv_caches.values() for t in _tensors_of(entry)])
         side_channel = "none (consumer only: D contacts P's)"
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
@@ -243,6 +251,7 @@ class WorkerSide:
                 registration, bind_host, port,
                 hold_timeout=config.hold_timeout, lease_timeout=config.lease_timeout, auth=auth,
                 clock_skew=config.clock_skew, on_release=self._step_news.notify,
+                digester=functools.partial(sums_of_units, memory, registration.planes),
             )
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
@@ -268,7 +277,11 @@ class WorkerSide:
                 max_batch_entries=config.max_batch_entries,
                 max_threads=config.pull_threads,
                 after_pull=self._corrupt if config.test_hooks else None,
+                before_verify=self._corrupt_in_flight if config.test_hooks else None,
                 on_result=self._step_news.notify,
+                integrity=IntegrityMode(config.integrity),
+                sampled_units=config.integrity_sampled_units,
+                memory=memory,
             )
 
     # ------------------------------------------------------------------ per step
@@ -292,6 +305,8 @@ class WorkerSide:
                 if r.failure is None and r.num_blocks:
                     with self._stats_lock:
                         self._stats.record_pull(timed.seconds, r.num_bytes, r.num_descriptors, timed.claim_seconds)
+                        if r.verified_units or r.unverified:
+                            self._stats.record_integrity(verified=not r.unverified)
                 if not r.report_finished:
                     continue
                 recving.add(r.request_id)
@@ -301,7 +316,7 @@ class WorkerSide:
                         self._load_error_blocks.update(r.local_block_ids)  # of every group
                 self._reports[r.request_id] = PullReport(
                     not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason,
-                    r.failure.value if r.failure is not None else "",
+                    r.failure.value if r.failure is not None else "", r.verified_units, r.unverified,
                 )
         if recving and logger.isEnabledFor(logging.DEBUG):
             logger.debug("rank %d reports the receives of %s to the scheduler", self.tp_rank, sorted(recving))
@@ -333,9 +348,29 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ test hook
 
+    def _corrupt_in_flight(self, plan: PullPlan, verification: Verification) -> None:
+        """Change one byte of what a pull just read, before its integrity check (test hook): what a faulty link or
+        NIC does to a transfer that reports success. The byte: the first of the last unit the check covers."""
+        if not plan.test_corrupt_in_flight or not verification.local_runs:
+            return
+        from vllm_kvp2p.transfer.digest import region_bytes
+
+        addr = verification.local_runs[-1].addr
+        for entry in self._kv_caches.values():
+            for t in _tensors_of(entry):
+                base = t.untyped_storage().data_ptr()
+                memory = region_bytes(t)
+                if base <= addr < base + memory.numel():
+                    memory[addr - base] ^= 0x40  # on the tensor's device
+                    break
+            else:
+                continue
+            break
+        logger.warning("TEST HOOK: changed the byte at %#x of %s before its integrity check", addr, plan.request_id)
+
     def _corrupt(self, plan: PullPlan, result: PullResult) -> None:
         """Overwrite freshly pulled blocks with noise (test hook): proves that output checks can fail."""
-        if not plan.test_corrupt:
+        if not plan.test_corrupt or plan.test_corrupt_in_flight:
             return
         import torch
 

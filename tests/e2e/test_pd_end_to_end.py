@@ -19,6 +19,7 @@ from tests.e2e.helpers import (
     BLOCK_SIZE,
     BYTES_PER_BLOCK,
     LOGPROB_TOL,
+    NUM_LAYERS,
     baseline,
     completion_body,
     max_logprob_gap,
@@ -53,6 +54,7 @@ def test_disaggregated_output_equals_single_instance(cluster: Cluster, length: i
     blocks = math.ceil(length / BLOCK_SIZE)
     assert report["ok"] and report["blocks"] == blocks
     assert report["bytes"] == blocks * BYTES_PER_BLOCK
+    assert report["verified"] == blocks * NUM_LAYERS and "unverified" not in report  # integrity=full: every unit
     local_after = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     external_after = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert local_after - local_before == 0

@@ -126,8 +126,8 @@ def query_problem(query: DigestQuery, planes: Sequence[PlaneGeometry], held_bloc
 
 def judge(query: DigestQuery, mine: Sequence[tuple[int, int]], theirs: Sequence[UnitSums] | None) -> Judgement:
     """D's sums ``mine`` against P's ``theirs`` for the units of ``query``, in order."""
-    if theirs is None or len(theirs) != len(query.units):
-        return Judgement(Verdict.UNVERIFIED)
+    if theirs is None or len(theirs) != len(query.units) or len(mine) != len(query.units):
+        return Judgement(Verdict.UNVERIFIED)  # never a match by default: zip() would stop at the shorter list
     for unit, (total, weighted), sums in zip(query.units, mine, theirs):
         if (total, weighted) != (sums.total, sums.weighted):
             return Judgement(Verdict.MISMATCHED, len(query.units), unit)

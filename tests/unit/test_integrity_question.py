@@ -1,0 +1,107 @@
+"""What D asks P about a pull's bytes and how it judges the answer (vllm_kvp2p/lifecycle/integrity.py), and P's
+bounds on a question a peer sends: every value gets a bounded, clear outcome."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_kvp2p.lifecycle.integrity import (
+    IntegrityMode,
+    Verdict,
+    judge,
+    query_problem,
+    verification_for,
+)
+from vllm_kvp2p.protocol import (
+    MAX_DIGEST_RANGES,
+    MAX_DIGEST_UNITS,
+    DigestQuery,
+    Release,
+    UnitRanges,
+    UnitSums,
+    decode_request,
+    encode,
+)
+from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors_py
+
+P_PLANES = [PlaneGeometry(0x10000, 1024, 1024, 16), PlaneGeometry(0x80000, 2048, 1024, 16)]  # dense, strided
+D_PLANES = [PlaneGeometry(0x200000, 1024, 1024, 8), PlaneGeometry(0x300000, 1024, 1024, 8)]
+
+
+def test_whole_blocks_merged_runs_are_cut_per_unit_and_name_p_blocks() -> None:
+    d = build_descriptors_py(D_PLANES, P_PLANES, [0, 1, 2], [4, 5, 6])  # dense plane 0: one merged run of 3
+    v = verification_for(d, P_PLANES, IntegrityMode.FULL, seed=1)
+    assert v is not None
+    assert [(u.plane, u.block, u.ranges) for u in v.query.units] == [
+        (0, 4, [0, 1024]), (0, 5, [0, 1024]), (0, 6, [0, 1024]),
+        (1, 4, [0, 1024]), (1, 5, [0, 1024]), (1, 6, [0, 1024])]
+    by_unit = {r.unit: r for r in v.local_runs}
+    assert by_unit[1].addr == 0x200000 + 1024 and by_unit[3].addr == 0x300000  # where D wrote each unit
+
+
+def test_pieces_of_a_unit_merge_in_p_order_whatever_d_order() -> None:
+    # a P block read in three pieces, listed out of order and landing in two D places
+    d = Descriptors([0x200100, 0x200000, 0x300000], [0x10000 + 3 * 1024 + 512, 0x10000 + 3 * 1024,
+                                                      0x10000 + 3 * 1024 + 256], [256, 256, 100])
+    v = verification_for(d, P_PLANES, IntegrityMode.FULL, seed=1)
+    assert v is not None and [u.ranges for u in v.query.units] == [[0, 356, 512, 256]]
+
+
+def test_sampled_mode_keeps_the_last_unit_and_a_few_others_deterministically() -> None:
+    d = build_descriptors_py(D_PLANES, P_PLANES, list(range(8)), list(range(8, 16)))
+    first = verification_for(d, P_PLANES, IntegrityMode.SAMPLED, seed=7, sampled_units=3)
+    again = verification_for(d, P_PLANES, IntegrityMode.SAMPLED, seed=7, sampled_units=3)
+    assert first is not None and first == again and len(first.query.units) == 4
+    assert (first.query.units[-1].plane, first.query.units[-1].block) == (1, 15)
+    assert verification_for(d, P_PLANES, IntegrityMode.OFF, seed=7) is None
+    assert verification_for(Descriptors([], [], []), P_PLANES, IntegrityMode.FULL, seed=7) is None
+
+
+def test_a_descriptor_outside_p_planes_is_a_bug_not_silence() -> None:
+    with pytest.raises(ValueError, match="below every plane"):
+        verification_for(Descriptors([0], [0x100], [4]), P_PLANES, IntegrityMode.FULL, 1)
+    with pytest.raises(ValueError, match="outside plane 1"):  # the gap between two strided blocks
+        verification_for(Descriptors([0], [0x80000 + 1024 + 8], [4]), P_PLANES, IntegrityMode.FULL, 1)
+
+
+@pytest.mark.parametrize(("query", "why"), [
+    (DigestQuery([UnitRanges(2, 0, [0, 4])]), "no such plane"),
+    (DigestQuery([UnitRanges(-1, 0, [0, 4])]), "no such plane"),
+    (DigestQuery([UnitRanges(0, 0, [0])]), "not in pairs"),
+    (DigestQuery([UnitRanges(0, 16, [0, 4])]), "not a block of this hold"),
+    (DigestQuery([UnitRanges(0, -3, [0, 4])]), "not a block of this hold"),
+    (DigestQuery([UnitRanges(0, 1, [1000, 100])]), "outside its 1024 B"),
+    (DigestQuery([UnitRanges(0, 1, [-5, 10])]), "outside"),
+    (DigestQuery([UnitRanges(0, 1, [0, 0])]), "outside"),
+    (DigestQuery([UnitRanges(0, 1, [0, 1 << 62])]), "outside"),
+    (DigestQuery([UnitRanges(0, 1, [0, 4])] * (MAX_DIGEST_UNITS + 1)), "over"),
+])
+def test_p_answers_no_question_outside_what_it_has(query: DigestQuery, why: str) -> None:
+    assert why in query_problem(query, P_PLANES, None)
+
+
+def test_a_block_outside_the_hold_is_refused_when_p_knows_the_hold() -> None:
+    query = DigestQuery([UnitRanges(0, 3, [0, 1024])])
+    assert query_problem(query, P_PLANES, {(0, 3)}) == ""
+    assert "not a block of this hold" in query_problem(query, P_PLANES, {(0, 4)})
+
+
+def test_the_wire_bounds_a_question_before_any_check() -> None:
+    huge = {"type": "release", "request_id": "r", "hold_id": "h", "reader": "d",
+            "verify": [[[0, 0, [0, 1] * (MAX_DIGEST_RANGES + 1)]]]}
+    with pytest.raises(msgspec.ValidationError, match="length"):
+        decode_request(msgspec.msgpack.encode(huge))
+    ok = Release("r", "h", "d", verify=DigestQuery([UnitRanges(0, 1, [0, 8])]))
+    assert decode_request(encode(ok)) == ok
+    assert decode_request(encode(Release("r", "h", "d"))).verify is None  # an older D asks nothing
+
+
+def test_the_verdict() -> None:
+    q = DigestQuery([UnitRanges(0, 1, [0, 8]), UnitRanges(1, 1, [0, 8])])
+    assert judge(q, [(1, 2), (3, 4)], [UnitSums(1, 2), UnitSums(3, 4)]).verdict is Verdict.MATCHED
+    bad = judge(q, [(1, 2), (3, 4)], [UnitSums(1, 2), UnitSums(3, 5)])
+    assert bad.verdict is Verdict.MISMATCHED and bad.first_bad == q.units[1]
+    assert judge(q, [(1, 2), (3, 4)], None).verdict is Verdict.UNVERIFIED  # an older P
+    assert judge(q, [(1, 2), (3, 4)], [UnitSums(1, 2)]).verdict is Verdict.UNVERIFIED  # a short answer
+    assert judge(q, (), [UnitSums(1, 2), UnitSums(3, 4)]).verdict is Verdict.UNVERIFIED  # D could not sum

@@ -148,3 +148,26 @@ def test_bad_runs_are_refused() -> None:
         digest_runs(memory, Runs([0], [0], [0], [0]), 1)
     with pytest.raises(ValueError, match="2\\^26"):
         digest_runs(memory, Runs([0], [1 << 26], [1], [0]), 1)
+
+
+def test_row_runs_and_byte_runs_agree_with_the_definition() -> None:
+    """Runs of whole 256-byte rows at row-aligned places take the matrix-product path, the rest the byte path;
+    mixed in one call, at any unit offsets (a row need not start a unit), both give the definition's sums."""
+    memory = random_bytes(1 << 16, seed=17)
+    rng = random.Random(23)
+    runs = Runs([], [], [], [])
+    expected: dict[int, list[int]] = {u: [0, 0] for u in range(4)}
+    for _ in range(40):
+        unit = rng.randrange(4)
+        if rng.random() < 0.5:
+            start, length = rng.randrange(0, 200) * 256, 256 * rng.randrange(1, 8)  # a row run
+        else:
+            start, length = rng.randrange(0, 60000), rng.randrange(1, 900)  # anything
+        offset = rng.randrange(0, 5000)
+        runs.starts.append(start), runs.offsets.append(offset), runs.lengths.append(length), runs.units.append(unit)
+        chunk = bytes(memory[start : start + length].tolist())
+        expected[unit][0] += sum(chunk)
+        expected[unit][1] += sum((offset + i + 1) * b for i, b in enumerate(chunk))
+    total, weighted = digest_runs(memory, runs, 4)
+    assert [[int(total[u]), int(weighted[u])] for u in range(4)] == [expected[u] for u in range(4)]
+    assert any(s % 256 == 0 and n % 256 == 0 for s, n in zip(runs.starts, runs.lengths))

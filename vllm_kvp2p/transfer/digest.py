@@ -111,7 +111,8 @@ def _digest_rows(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, weighted)``, int64 tensors of ``num_units``, of the byte runs ``runs`` of ``memory`` (a flat
     uint8 tensor, :func:`region_bytes`), each byte weighted by its offset in its unit. Any runs, in any order:
-    gathered by index ``CHUNK_BYTES`` at a time and summed per unit."""
+    runs of whole 256-byte rows by a matrix product on the gathered rows, the others byte by byte; ``CHUNK_BYTES``
+    at a time."""
     device = memory.device
     total = torch.zeros(num_units, dtype=torch.int64, device=device)
     weighted = torch.zeros_like(total)
@@ -125,14 +126,53 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
         raise ValueError("runs must have positive lengths and lie within a unit of at most 2^26 bytes")
     if bool((starts < 0).any()) or bool((starts + lengths > memory.numel()).any()):
         raise ValueError(f"a run lies outside the {memory.numel()}-byte memory")
-    # Runs in groups of at most CHUNK_BYTES bytes (a longer run alone): each group expands to one index per byte.
-    ends = torch.cumsum(lengths, 0)
-    k = 0
-    n = len(runs.lengths)
+    # Runs of whole 256-byte rows (whole blocks, usually): gathered by row and summed by a matrix product.
+    rowwise = ((starts + memory.storage_offset()) % ROW == 0) & (lengths % ROW == 0) & (memory.numel() >= ROW)
+    if bool(rowwise.any()):
+        _rows_into(memory, starts[rowwise], offsets[rowwise], lengths[rowwise], units[rowwise], total, weighted)
+    rest = ~rowwise
+    if bool(rest.any()):
+        _bytes_into(memory, starts[rest], offsets[rest], lengths[rest], units[rest], total, weighted)
+    return total, weighted
+
+
+def _rows_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+               units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
+    """Add the sums of runs made of whole 256-byte rows of ``memory`` (row-aligned starts)."""
+    device = memory.device
+    rows = memory[: memory.numel() // ROW * ROW].view(-1, ROW)
+    nrows = lengths // ROW
+    ends = torch.cumsum(nrows, 0)
+    per_step = max(1, CHUNK_BYTES // ROW)
+    j = torch.arange(ROW, dtype=torch.float32, device=device)
+    weights = torch.stack([torch.ones_like(j), j], dim=1)
+    k, n = 0, len(nrows)
     while k < n:
         base = int(ends[k - 1]) if k else 0
-        stop = max(k + 1, int(torch.searchsorted(ends, base + CHUNK_BYTES, right=True)))
-        stop = min(stop, n)
+        stop = min(n, max(k + 1, int(torch.searchsorted(ends, base + per_step, right=True))))
+        count = nrows[k:stop]
+        run_of_row = torch.repeat_interleave(torch.arange(stop - k, device=device), count)
+        first = torch.cumsum(count, 0) - count
+        within = torch.arange(int(count.sum()), device=device) - first[run_of_row]  # row index inside its run
+        index = starts[k:stop][run_of_row] // ROW + within
+        sums = torch.matmul(rows.index_select(0, index).to(torch.float32), weights).to(torch.int64)  # exact
+        row_total, row_inner = sums[:, 0], sums[:, 1]
+        row_offset = offsets[k:stop][run_of_row] + within * ROW  # of the row's first byte in its unit
+        unit = units[k:stop][run_of_row]
+        total.index_add_(0, unit, row_total)
+        weighted.index_add_(0, unit, (row_offset + 1) * row_total + row_inner)
+        k = stop
+
+
+def _bytes_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
+    """Add the sums of any runs, byte by byte, ``CHUNK_BYTES`` at a time (a longer run alone)."""
+    device = memory.device
+    ends = torch.cumsum(lengths, 0)
+    k, n = 0, len(lengths)
+    while k < n:
+        base = int(ends[k - 1]) if k else 0
+        stop = min(n, max(k + 1, int(torch.searchsorted(ends, base + CHUNK_BYTES, right=True))))
         length = lengths[k:stop]
         run_of_byte = torch.repeat_interleave(torch.arange(stop - k, device=device), length)
         first_byte = torch.cumsum(length, 0) - length
@@ -142,7 +182,6 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
         total.index_add_(0, unit, x)
         weighted.index_add_(0, unit, x * (offsets[k:stop][run_of_byte] + within + 1))
         k = stop
-    return total, weighted
 
 
 def digest_reference(unit_bytes: bytes, offsets: Sequence[int] | None = None) -> tuple[int, int]:

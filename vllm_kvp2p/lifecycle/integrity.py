@@ -63,14 +63,16 @@ class Judgement:
 def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeometry], mode: IntegrityMode,
                      seed: int, sampled_units: int = 4) -> Verification | None:
     """The question for P and D's runs for a pull's ``descriptors`` from one P rank with ``remote_planes``: every
-    unit read (``FULL``), or ``sampled_units`` of them drawn with ``seed`` plus the last one (``SAMPLED``). None
+    unit read (``FULL``), or ``sampled_units`` pieces (what one descriptor read of one block) drawn with ``seed``
+    plus the last one (``SAMPLED``). None
     when nothing is verified. Raises ValueError for a descriptor outside every plane (D built it from P's
     registration: that is a bug, not a peer's doing)."""
     if mode is IntegrityMode.OFF or not len(descriptors):
         return None
     order = sorted(range(len(remote_planes)), key=lambda i: remote_planes[i].base_addr)
     bases = [remote_planes[i].base_addr for i in order]
-    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # unit -> (offset, length, local addr)
+    located = []  # (local addr, plane, offset in plane, length, pieces): one per descriptor, not yet cut per block
+    count = 0
     for local, remote, length in zip(descriptors.local_addrs, descriptors.remote_addrs, descriptors.lengths):
         at = bisect.bisect_right(bases, remote) - 1
         if at < 0:
@@ -78,20 +80,36 @@ def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeom
         p = order[at]
         plane = remote_planes[p]
         start = remote - plane.base_addr
-        while length > 0:  # a merged run spans blocks: one piece per block
+        first, offset = divmod(start, plane.block_stride)
+        if first >= plane.num_blocks or offset >= plane.block_bytes:
+            raise ValueError(f"remote address {remote:#x} lies outside plane {p}'s blocks")
+        n = 1 + max(0, offset + length - plane.block_bytes + plane.block_stride - 1) // plane.block_stride
+        located.append((local, p, start, length, n))
+        count += n
+    # Sampled: a few pieces (a piece: what one descriptor read of one block) drawn before anything is cut, and
+    # always the last one (a prompt's partial last block lives there): cost per descriptor, not per block.
+    chosen: list[int] | None = None
+    if mode is IntegrityMode.SAMPLED and count > sampled_units + 1:
+        chosen = sorted(random.Random(seed).sample(range(count - 1), sampled_units)) + [count - 1]
+    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # unit -> (offset, length, local addr)
+    index = 0
+    for local, p, start, length, n in located:
+        if chosen is not None:
+            at = bisect.bisect_left(chosen, index)
+            if at == len(chosen) or chosen[at] >= index + n:  # none of this descriptor's pieces is drawn
+                index += n
+                continue
+        plane = remote_planes[p]
+        for i in range(n):  # a merged run spans blocks: one piece per block
             block, offset = divmod(start, plane.block_stride)
             if block >= plane.num_blocks or offset >= plane.block_bytes:
                 raise ValueError(f"remote address {plane.base_addr + start:#x} lies outside plane {p}'s blocks")
-            n = min(length, plane.block_bytes - offset)
-            pieces.setdefault((p, block), []).append((offset, n, local))
-            local, start, length = local + n, start + n, length - n
-            if length and offset + n == plane.block_bytes:
-                start = (block + 1) * plane.block_stride
-    units = list(pieces)
-    if mode is IntegrityMode.SAMPLED and len(units) > sampled_units + 1:
-        last = units[-1]
-        units = random.Random(seed).sample(units[:-1], sampled_units) + [last]
-    units = units[:MAX_UNITS]
+            take = min(length, plane.block_bytes - offset)
+            if chosen is None or _drawn(chosen, index + i):
+                pieces.setdefault((p, block), []).append((offset, take, local))
+            local, start, length = local + take, (block + 1) * plane.block_stride, length - take
+        index += n
+    units = list(pieces)[:MAX_UNITS]
     query, runs = [], []
     for index, unit in enumerate(units):
         merged: list[int] = []
@@ -103,6 +121,11 @@ def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeom
                 merged += [offset, n]
         query.append(UnitRanges(unit[0], unit[1], merged))
     return Verification(DigestQuery(query), tuple(runs))
+
+
+def _drawn(chosen: list[int], piece: int) -> bool:
+    at = bisect.bisect_left(chosen, piece)
+    return at < len(chosen) and chosen[at] == piece
 
 
 def query_problem(query: DigestQuery, planes: Sequence[PlaneGeometry], held_blocks: set[tuple[int, int]] | None

@@ -13,6 +13,7 @@ from tests.e2e.helpers import (
     BLOCK_SIZE,
     BYTES_PER_BLOCK,
     LOGPROB_TOL,
+    NUM_LAYERS,
     baseline,
     completion_body,
     max_logprob_gap,
@@ -65,6 +66,7 @@ def test_dp2_prefill_dp1_decode_equals_single_instance(dp_cluster: DPCluster, le
     assert report["ok"], report
     blocks = math.ceil(length / BLOCK_SIZE)
     assert report["blocks"] == blocks and report["bytes"] == blocks * BYTES_PER_BLOCK, report
+    assert report["verified"] == blocks * NUM_LAYERS and "unverified" not in report, report  # integrity=full
     assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 
 

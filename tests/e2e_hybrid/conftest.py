@@ -24,8 +24,8 @@ def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hybrid_cluster(sliding_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    with PDCluster(sliding_model, tmp_path_factory.mktemp("hybrid-logs"),
-                   decode_extra_config={"test_hooks": True}) as cluster:
+    with PDCluster(sliding_model, tmp_path_factory.mktemp("hybrid-logs"), decode_failure_policy="recompute",
+                   decode_extra_config={"test_hooks": True, "integrity": "full"}) as cluster:
         yield cluster
 
 

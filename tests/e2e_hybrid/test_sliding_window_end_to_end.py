@@ -64,6 +64,7 @@ def test_pd_answer_equals_single_instance_and_moves_only_the_window(hybrid_clust
     windowed, unwindowed = expected_bytes(num_tokens)
     assert pull["ok"], pull
     assert pull["bytes"] == windowed, (pull, windowed, unwindowed)
+    assert pull["verified"] == windowed // LAYER_BLOCK_BYTES and "unverified" not in pull  # every block-layer
     if num_tokens > WINDOW + BLOCK_SIZE:
         assert pull["bytes"] < unwindowed
     assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
@@ -74,6 +75,14 @@ def test_a_corrupted_transfer_changes_the_answer(hybrid_cluster: PDCluster) -> N
     corrupted = pd(hybrid_cluster, prompt, kvp2p_test_corrupt=True)
     assert corrupted["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
     assert max_logprob_gap(corrupted, baseline(hybrid_cluster, prompt)) > 100 * LOGPROB_TOL
+
+
+def test_a_byte_changed_in_flight_is_caught_and_d_recomputes_the_right_answer(hybrid_cluster: PDCluster) -> None:
+    prompt = prompt_ids(150, seed=4344)
+    out = pd(hybrid_cluster, prompt, kvp2p_test_corrupt="in_flight")
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not pull["ok"] and pull["failure"] == "corrupted", pull
+    assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
 
 
 def test_through_the_proxy_and_engines_idle_afterwards(hybrid_cluster: PDCluster) -> None:
@@ -95,4 +104,5 @@ def test_d_prefix_cache_hit_pulls_only_the_rest(hybrid_cluster: PDCluster) -> No
     assert pull["ok"], pull
     full_blocks = math.ceil(420 / BLOCK_SIZE) - 256 // BLOCK_SIZE
     assert pull["bytes"] == (NUM_FULL * full_blocks + NUM_SLIDING * MAX_WINDOW_BLOCKS) * LAYER_BLOCK_BYTES, pull
+    assert pull["verified"] == NUM_FULL * full_blocks + NUM_SLIDING * MAX_WINDOW_BLOCKS
     assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL

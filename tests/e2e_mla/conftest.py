@@ -37,7 +37,8 @@ class MlaPair:
         )
         self.decode = VllmServer(
             model, free_port(), cpus="1", log_path=log_dir / "decode.log",
-            extra_args=(*MLA_ARGS, "--kv-transfer-config", kv_transfer_config("kv_consumer", test_hooks=True)),
+            extra_args=(*MLA_ARGS, "--kv-transfer-config",
+                        kv_transfer_config("kv_consumer", "recompute", test_hooks=True, integrity="full")),
         )
 
     def __enter__(self) -> MlaPair:

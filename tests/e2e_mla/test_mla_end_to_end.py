@@ -75,7 +75,23 @@ def test_d_pulls_every_latent_block_of_the_prompt(mla_pair: MlaPair, num_tokens:
     # One latent row of 576 values per token slot, one plane per layer: every block of every layer, nothing more.
     assert pull["ok"] and pull["blocks"] == blocks, pull
     assert pull["bytes"] == LAYERS * blocks * MLA_BLOCK_SIZE * LATENT * FLOAT32, pull
+    assert pull["verified"] == LAYERS * blocks and "unverified" not in pull, pull  # every latent block, checked
     assert out["usage"]["completion_tokens"] == 4
+
+
+def test_a_latent_byte_changed_in_flight_is_caught_and_d_recomputes(mla_pair: MlaPair) -> None:
+    """The integrity digest catches one changed byte of the pulled latent cache; D then computes the prompt
+    itself, and its answer is exactly the one D gives as a plain single instance."""
+    prompt = [300 + (i * 17) % 150 for i in range(70)]
+    first = _post(mla_pair.prefill.url, {
+        "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+    })
+    params = {**first["kv_transfer_params"], "do_remote_prefill": True, "kvp2p_test_corrupt": "in_flight"}
+    out = _post(mla_pair.decode.url, {"prompt": prompt, "max_tokens": 6, "logprobs": 1, "kv_transfer_params": params})
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not pull["ok"] and pull["failure"] == "corrupted", pull
+    alone = _post(mla_pair.decode.url, {"prompt": prompt, "max_tokens": 6, "logprobs": 1, "cache_salt": "alone"})
+    assert out["choices"][0]["logprobs"]["token_logprobs"] == alone["choices"][0]["logprobs"]["token_logprobs"]
 
 
 def test_a_corrupted_mla_transfer_changes_the_answer(mla_pair: MlaPair) -> None:
@@ -119,6 +135,7 @@ def test_d_pulls_the_whole_latent_cache_from_one_rank_of_p_at_tp2(
     again, _ = _answer_through(mla_prefill_tp2, mla_pair.decode, prompt)
     assert pull1["ok"] and pull2["ok"], (pull1, pull2)
     assert (pull2["blocks"], pull2["bytes"]) == (pull1["blocks"], pull1["bytes"]), (pull1, pull2)
+    assert pull2["verified"] == pull1["verified"] > 0, (pull1, pull2)  # P rank 0 of 2 answers the same question
     assert answer == again
 
 

@@ -19,6 +19,7 @@ def test_soak_with_cancellations_and_a_p_restart_loses_nothing(soak_cluster: Soa
     assert not report.errors, report.errors
     assert not report.mismatches, report.mismatches
     assert not report.leaks, report.leaks
+    assert report.corrupted_pulls == 0 and report.verified_pulls >= PLAN.requests // 2, report.summary()  # full
     assert report.answered + report.cancelled == PLAN.requests, report.summary()
     assert report.cancelled >= 5, report.summary()  # the plan's share, drawn with this seed
     assert any(f.startswith("SIGKILL prefill1") for f in report.faults), report.faults

@@ -67,7 +67,8 @@ class StatePair:
         )
         self.decode = VllmServer(
             model, free_port(), cpus="1", log_path=log_dir / "decode.log",
-            extra_args=(*STATE_ARGS, "--kv-transfer-config", kv_transfer_config("kv_consumer", test_hooks=True)),
+            extra_args=(*STATE_ARGS, "--kv-transfer-config",
+                        kv_transfer_config("kv_consumer", "recompute", test_hooks=True, integrity="full")),
         )
 
     def __enter__(self) -> StatePair:

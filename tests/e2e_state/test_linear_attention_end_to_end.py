@@ -100,6 +100,7 @@ def test_pd_answer_matches_single_instance_with_state_pages_pulled(state_pair: S
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert pull["ok"], pull
     assert pull["bytes"] == pulled, pull
+    assert pull["verified"] > 0 and "unverified" not in pull, pull  # integrity=full: state pages and blocks
     single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
     (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
     assert d_tokens == s_tokens
@@ -114,6 +115,18 @@ def test_a_corrupted_transfer_changes_the_answer(state_pair: StatePair) -> None:
     single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
     (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
     assert d_tokens != s_tokens or max(abs(a - b) for a, b in zip(d_lp, s_lp)) > 10 * LOGPROB_TOL
+
+
+def test_a_byte_changed_in_flight_is_caught_and_d_recomputes_the_right_answer(state_pair: StatePair) -> None:
+    prompt = prompt_of(300)
+    params = {**params_from_p(state_pair, prompt), "kvp2p_test_corrupt": "in_flight"}
+    out = post(state_pair.decode, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "kv_transfer_params": params})
+    pull = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not pull["ok"] and pull["failure"] == "corrupted", pull
+    single = post(state_pair.prefill, {"prompt": prompt, "max_tokens": COMPARED_TOKENS, "cache_salt": "single"})
+    (d_tokens, d_lp), (s_tokens, s_lp) = answer(out), answer(single)
+    assert d_tokens == s_tokens
+    assert max(abs(a - b) for a, b in zip(d_lp, s_lp)) <= LOGPROB_TOL, (d_lp, s_lp)
 
 
 def test_d_prefix_cache_hit_pulls_only_the_rest(state_pair: StatePair) -> None:

@@ -135,5 +135,6 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         decode_cpus=str(cpus[1]),
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
         decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
+        decode_extra_config={"integrity": "full"},
     ) as cluster:
         yield cluster

@@ -21,6 +21,7 @@ from tests.e2e.helpers import (
     BYTES_PER_BLOCK,
     KV_HEADS,
     LOGPROB_TOL,
+    NUM_LAYERS,
     baseline,
     completion_body,
     max_logprob_gap,
@@ -103,6 +104,8 @@ def test_tp2_prefill_tp1_decode_equals_single_instance(tp_cluster: TPCluster, le
     blocks = math.ceil(length / BLOCK_SIZE)
     assert report["blocks"] == blocks, report
     assert report["bytes"] == blocks * BYTES_PER_BLOCK, report
+    # integrity=full: every block of every layer on each of P's two ranks (each read as a head slice) checked
+    assert report["verified"] == 2 * blocks * NUM_LAYERS and "unverified" not in report, report
     assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 
 

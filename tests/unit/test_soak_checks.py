@@ -70,3 +70,14 @@ def test_specs_are_reproducible_and_mixed() -> None:
     heads = [s.prompt[:32] for s in specs if len(s.prompt) >= 32]
     assert len(heads) - len(set(heads)) >= 50  # a share of the prompts repeat a prefix
     assert all(1 <= len(s.prompt) <= plan.max_prompt for s in specs)
+
+
+def test_a_missing_tables_line_is_a_leak_unless_vllm_force_killed_the_worker(tmp_path) -> None:
+    from vllm_kvp2p.testing.soak import worker_force_killed
+
+    log = tmp_path / "prefill1.log"
+    log.write_text("$ first run\n[shutdown] force killing sub process VLLM::Worker pid 1\n$ second run\nbye\n")
+    assert shutdown_tables(log) == [] and not worker_force_killed(log)  # only the last run counts
+    assert table_leaks("prefill1", shutdown_tables(log), peers=2) == ["prefill1: no 'connector tables' line at shutdown"]
+    log.write_text("$ run\n(APIServer) [shutdown] force killing sub process VLLM::Worker pid 7\n")
+    assert worker_force_killed(log)

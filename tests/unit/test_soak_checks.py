@@ -78,6 +78,7 @@ def test_a_missing_tables_line_is_a_leak_unless_vllm_force_killed_the_worker(tmp
     log = tmp_path / "prefill1.log"
     log.write_text("$ first run\n[shutdown] force killing sub process VLLM::Worker pid 1\n$ second run\nbye\n")
     assert shutdown_tables(log) == [] and not worker_force_killed(log)  # only the last run counts
-    assert table_leaks("prefill1", shutdown_tables(log), peers=2) == ["prefill1: no 'connector tables' line at shutdown"]
+    missing = ["prefill1: no 'connector tables' line at shutdown"]
+    assert table_leaks("prefill1", shutdown_tables(log), peers=2) == missing
     log.write_text("$ run\n(APIServer) [shutdown] force killing sub process VLLM::Worker pid 7\n")
     assert worker_force_killed(log)

@@ -136,6 +136,10 @@ class HoldService:
                     self.ledger.oldest_hold_age(self._clock()))
 
     def _handle(self, message: Request) -> Reply:
+        # An integrity question is summed outside the lock: the engine's step (hold, take_freed) must not wait on
+        # it. The release itself is decided after the sums, under the lock: if the lease lapsed meanwhile (and the
+        # blocks may have been reused), P does not confirm the read, and D does not count it whatever the sums.
+        sums = self._answer(message) if isinstance(message, Release) else None
         with self._lock:
             now = self._clock()
             try:
@@ -162,7 +166,6 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
                 if isinstance(message, Release):
-                    sums = self._answer(message, now)  # before the release: the blocks are still this reader's
                     held = self.ledger.release(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,
                         message.lease_token, message.pulled,
@@ -176,14 +179,15 @@ class HoldService:
             finally:
                 self._log_events()
 
-    def _answer(self, release: Release, now: float) -> list[UnitSums] | None:
+    def _answer(self, release: Release) -> list[UnitSums] | None:
         """P's sums for the release's integrity question, or None (none asked, no digester, the reader's lease
         not live, or a question over what the hold has: vllm_kvp2p/lifecycle/integrity.query_problem)."""
         query = release.verify
         if query is None or self._digester is None:
             return None
-        blocks = self.ledger.verifiable_blocks(release.request_id, release.hold_id, release.reader, now,
-                                               release.lease_token)
+        with self._lock:
+            blocks = self.ledger.verifiable_blocks(release.request_id, release.hold_id, release.reader,
+                                                   self._clock(), release.lease_token)
         planes = self.registration.planes
         problem = query_problem(query, planes, None) if blocks else "the reader holds no live lease"
         if not problem and len(query.units) > blocks * len(planes):

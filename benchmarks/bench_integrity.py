@@ -6,8 +6,8 @@
 Synthetic model in vLLM's CPU layout, float16: ``--layers`` (64) KV layers of ``(num_blocks, kv_heads=2,
 block_size=32, 2 * head_dim=64)``: 8 KiB per block per layer, 512 KiB per block over all layers.
 
-1. Sums per MiB: whole blocks (``digest_blocks``, P's and D's common case) and scattered runs (``digest_runs``,
-   D after a block-size or TP mismatch: runs of one element's bytes).
+1. Sums per MiB (``digest_runs``, what P and D run): whole blocks (the common case: the matrix-product path) and
+   scattered runs (D after a block-size or TP mismatch: runs of one element's bytes, the byte path).
 2. The question D builds from its descriptors (``verification_for``, pure Python): per descriptor.
 3. Whole pulls through the connector (P: HoldService, D: PullLoop, two Mooncake engines over TCP on 127.0.0.1,
    one process) of ``--request-blocks`` sizes with integrity off, sampled (4 + 1 units) and full: median pull
@@ -38,7 +38,7 @@ from vllm_kvp2p.protocol import RankRegistration, RemotePrefill  # noqa: E402
 from vllm_kvp2p.pull_loop import PullLoop  # noqa: E402
 from vllm_kvp2p.testing.server import free_port  # noqa: E402
 from vllm_kvp2p.transfer.descriptors import Descriptors  # noqa: E402
-from vllm_kvp2p.transfer.digest import KVMemory, Runs, digest_blocks, digest_runs, sums_of_units  # noqa: E402
+from vllm_kvp2p.transfer.digest import KVMemory, Runs, digest_runs, sums_of_units  # noqa: E402
 from vllm_kvp2p.transfer.engine import MooncakeEngine  # noqa: E402
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry  # noqa: E402
 
@@ -57,9 +57,9 @@ def timed(fn, reps: int) -> float:
 
 
 def bench_sums(reps: int) -> dict[str, float]:
-    blocks = torch.randint(0, 256, (512, 8192), dtype=torch.uint8)  # 4 MiB of 8 KiB blocks
-    whole = timed(lambda: digest_blocks(blocks, list(range(512))), reps)
-    flat = blocks.reshape(-1)
+    flat = torch.randint(0, 256, (512 * 8192,), dtype=torch.uint8)  # 4 MiB of 8 KiB blocks
+    blocks = Runs([b * 8192 for b in range(512)], [0] * 512, [8192] * 512, list(range(512)))
+    whole = timed(lambda: digest_runs(flat, blocks, 512), reps)
     n = 1 << 20  # 1 MiB in 2-byte runs, scattered
     starts = torch.randperm(flat.numel() // 2)[: n // 2].mul(2).tolist()
     runs = Runs(starts, [s % 8192 for s in starts], [2] * len(starts), [s // 8192 for s in starts])

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from vllm_kvp2p.transfer.digest import KVMemory
+
 logger = get_logger(__name__)
 
 
@@ -88,6 +90,7 @@ class WorkerSide:
         self.hold_service: HoldService | None = None
         self.pull_loop: PullLoop | None = None
         self._kv_caches: dict[str, Any] = {}
+        self._kv_memory: KVMemory | None = None  # the KV tensors' storages by address (the integrity digest)
         self.local: LocalKV | None = None
         self.arena: KVArenaLike | None = None
         self._reports: dict[str, PullReport] = {}
@@ -239,7 +242,7 @@ class WorkerSide:
         # over its held blocks, D sums its copies.
         from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 
-        memory = KVMemory([t for entry in self._kv_caches.values() for t in _tensors_of(entry)])
+        memory = self._kv_memory = KVMemory([t for entry in self._kv_caches.values() for t in _tensors_of(entry)])
         side_channel = "none (consumer only: D contacts P's)"
         if self.is_producer:
             port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
@@ -353,19 +356,9 @@ class WorkerSide:
         NIC does to a transfer that reports success. The byte: the first of the last unit the check covers."""
         if not plan.test_corrupt_in_flight or not verification.local_runs:
             return
-        from vllm_kvp2p.transfer.digest import region_bytes
-
         addr = verification.local_runs[-1].addr
-        for entry in self._kv_caches.values():
-            for t in _tensors_of(entry):
-                base = t.untyped_storage().data_ptr()
-                memory = region_bytes(t)
-                if base <= addr < base + memory.numel():
-                    memory[addr - base] ^= 0x40  # on the tensor's device
-                    break
-            else:
-                continue
-            break
+        assert self._kv_memory is not None  # made before the pull loop that calls this
+        self._kv_memory.flip_byte(addr, 0x40)
         logger.warning("TEST HOOK: changed the byte at %#x of %s before its integrity check", addr, plan.request_id)
 
     def _corrupt(self, plan: PullPlan, result: PullResult) -> None:

@@ -9,14 +9,7 @@ import random
 import pytest
 import torch
 
-from vllm_kvp2p.transfer.digest import (
-    Runs,
-    digest_blocks,
-    digest_reference,
-    digest_runs,
-    plane_blocks,
-    region_bytes,
-)
+from vllm_kvp2p.transfer.digest import ROW, Runs, digest_reference, digest_runs, region_bytes
 
 BLOCKS = 6
 
@@ -48,19 +41,19 @@ def scatter_like_d(p_memory: torch.Tensor, unit_runs: list[tuple[int, int, int, 
 
 @pytest.mark.parametrize("block_bytes", [256, 1000, 4096, 65536])
 @pytest.mark.parametrize("stride_extra", [0, 512])
-def test_whole_blocks_equal_the_definition_dense_or_strided(block_bytes: int, stride_extra: int) -> None:
+@pytest.mark.parametrize("base", [64, ROW], ids=["unaligned", "row-aligned"])
+def test_whole_blocks_equal_the_definition_dense_or_strided(block_bytes: int, stride_extra: int, base: int) -> None:
+    """Whole blocks of a plane, dense or strided, at a row-aligned base (the matrix-product path where the block is
+    whole rows) or not (the byte path): the definition's sums either way."""
     stride = block_bytes + stride_extra
-    memory = random_bytes(64 + stride * BLOCKS, seed=block_bytes + stride_extra)
-    blocks = plane_blocks(memory, 64, stride, block_bytes, BLOCKS)
-    assert blocks.is_contiguous() is False or stride_extra == 0
+    memory = random_bytes(base + stride * BLOCKS, seed=block_bytes + stride_extra)
     ids = [4, 0, 5, 2]
-    total, weighted = digest_blocks(blocks, ids)
+    runs = Runs([base + b * stride for b in ids], [0] * len(ids), [block_bytes] * len(ids), list(range(len(ids))))
+    total, weighted = digest_runs(memory, runs, len(ids))
     for k, b in enumerate(ids):
-        start = 64 + b * stride
+        start = base + b * stride
         expected = digest_reference(bytes(memory[start : start + block_bytes].tolist()))
         assert (int(total[k]), int(weighted[k])) == expected
-    runs = Runs([64 + b * stride for b in ids], [0] * len(ids), [block_bytes] * len(ids), list(range(len(ids))))
-    assert all(torch.equal(a, b) for a, b in zip(digest_runs(memory, runs, len(ids)), (total, weighted)))
 
 
 def test_d_scattered_runs_give_p_sums_for_whole_and_partial_units() -> None:
@@ -126,17 +119,17 @@ def test_region_bytes_reads_the_storage_behind_non_contiguous_kv_views() -> None
             assert memory.numel() == cache.numel() * cache.element_size()
             assert torch.equal(memory, cache.reshape(-1).view(torch.uint8))
         block_bytes = 4 * 16 * 8 * cache.element_size()
-        v_blocks = plane_blocks(region_bytes(v_half), BLOCKS * block_bytes, block_bytes, block_bytes, BLOCKS)
+        v_block_3 = Runs([BLOCKS * block_bytes + 3 * block_bytes], [0], [block_bytes], [0])  # V half, block 3
         expected = digest_reference(bytes(cache[1, 3].contiguous().view(torch.uint8).reshape(-1).tolist()))
-        total, weighted = digest_blocks(v_blocks, [3])
+        total, weighted = digest_runs(region_bytes(v_half), v_block_3, 1)
         assert (int(total[0]), int(weighted[0])) == expected
 
 
 def test_rows_of_255_stay_exact() -> None:
     """The float32 row sums are exact: the worst row (every byte 255) and a 4 MiB unit of them."""
-    unit = torch.full((1, 1 << 22), 255, dtype=torch.uint8)
     n = 1 << 22
-    total, weighted = digest_blocks(unit, [0])
+    unit = torch.full((n,), 255, dtype=torch.uint8)
+    total, weighted = digest_runs(unit, Runs([0], [0], [n], [0]), 1)  # whole rows: the matrix-product path
     assert int(total[0]) == 255 * n and int(weighted[0]) == 255 * n * (n + 1) // 2
 
 

@@ -16,18 +16,17 @@ a run written to the wrong place on D (its bytes land in another unit's sums, or
 int64 for units up to 2^26 bytes (255 * (2^26)^2 / 2 < 2^63).
 
 Computed with plain tensor operations on the device where the KV lives, with no copy to the host and no kernel
-of our own: bytes are gathered by index, widened and summed (:func:`digest_runs`); whole blocks take a
-matrix product on 256-byte rows instead (:func:`digest_blocks`), exact in float32 because one row's sums stay
-below 2^24. :func:`digest_reference` is the definition in plain Python, for tests.
+of our own: :func:`digest_runs` gathers runs of whole 256-byte rows (whole blocks, usually) by row and
+sums them with a matrix product, exact in float32 because one row's sums stay below 2^24, and every other run byte
+by byte. :func:`digest_reference` is the definition in plain Python, for tests.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from vllm_kvp2p.protocol import DigestQuery
@@ -37,16 +36,7 @@ from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 MAX_UNIT_BYTES = 1 << 26
 #: Bytes gathered per step by :func:`digest_runs` (bounds its temporary tensors to a few times this).
 CHUNK_BYTES = 1 << 22
-ROW = 256  # digest_blocks' row: sum(x) <= 65,280 and sum(j * x[j]) <= 8,323,200, both exact in float32 (< 2^24)
-
-
-class UnitDigest(msgspec.Struct, frozen=True, array_like=True):
-    """The digest of one unit (plane ``plane``, P block ``block``) over the bytes a pull moves of it."""
-
-    plane: int
-    block: int
-    total: int
-    weighted: int
+ROW = 256  # the matrix product's row: sum(x) <= 65,280 and sum(j * x[j]) <= 8,323,200, both exact in float32 (< 2^24)
 
 
 @dataclass(frozen=True)
@@ -66,46 +56,6 @@ def region_bytes(tensor: torch.Tensor) -> torch.Tensor:
     strides: the registered region a plane's ``base_addr`` points into."""
     storage = tensor.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
-
-
-def plane_blocks(memory: torch.Tensor, base: int, block_stride: int, block_bytes: int, num_blocks: int) -> torch.Tensor:
-    """``[num_blocks, block_bytes]`` view of a plane's blocks in ``memory`` (uint8), ``base`` bytes in: block ``b``
-    is bytes ``base + b * block_stride`` .. ``+ block_bytes``. Not contiguous when the stride exceeds the block."""
-    return memory.as_strided((num_blocks, block_bytes), (block_stride, 1), memory.storage_offset() + base)
-
-
-def digest_blocks(blocks: torch.Tensor, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(total, weighted)``, int64 tensors of ``len(ids)``, of whole blocks ``ids`` of ``blocks`` (a
-    ``[num_blocks, block_bytes]`` uint8 view, :func:`plane_blocks`): every byte of each block, offsets from its
-    start."""
-    block_bytes = blocks.shape[1]
-    _check_unit(block_bytes)
-    index = torch.as_tensor(list(ids), dtype=torch.long, device=blocks.device)
-    total = torch.zeros(len(ids), dtype=torch.int64, device=blocks.device)
-    weighted = torch.zeros_like(total)
-    per_step = max(1, CHUNK_BYTES // block_bytes)
-    pad = -block_bytes % ROW  # zero bytes add nothing to either sum
-    for lo in range(0, len(ids), per_step):
-        part = blocks.index_select(0, index[lo : lo + per_step])  # copies the blocks: a strided view is fine
-        if pad:
-            part = torch.nn.functional.pad(part, (0, pad))
-        t, w = _digest_rows(part)
-        total[lo : lo + per_step], weighted[lo : lo + per_step] = t, w
-    return total, weighted
-
-
-def _digest_rows(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact (total, weighted) of each row of a ``[n, block_bytes]`` uint8 tensor, ``block_bytes % 256 == 0``."""
-    n, block_bytes = part.shape
-    rows = part.reshape(n, block_bytes // ROW, ROW).to(torch.float32)
-    j = torch.arange(ROW, dtype=torch.float32, device=part.device)
-    weights = torch.stack([torch.ones_like(j), j], dim=1)  # [256, 2]: sum(x), sum(j * x) per row
-    sums = torch.matmul(rows, weights).to(torch.int64)  # [n, rows, 2], exact
-    row_total, row_inner = sums[..., 0], sums[..., 1]
-    row_start = torch.arange(block_bytes // ROW, dtype=torch.int64, device=part.device) * ROW
-    total = row_total.sum(dim=1)
-    weighted = ((row_start + 1) * row_total + row_inner).sum(dim=1)
-    return total, weighted
 
 
 def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,48 +89,38 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
 def _rows_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
                units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
     """Add the sums of runs made of whole 256-byte rows of ``memory`` (row-aligned starts)."""
-    device = memory.device
     rows = memory[: memory.numel() // ROW * ROW].view(-1, ROW)
-    nrows = lengths // ROW
-    ends = torch.cumsum(nrows, 0)
-    per_step = max(1, CHUNK_BYTES // ROW)
-    j = torch.arange(ROW, dtype=torch.float32, device=device)
-    weights = torch.stack([torch.ones_like(j), j], dim=1)
-    k, n = 0, len(nrows)
-    while k < n:
-        base = int(ends[k - 1]) if k else 0
-        stop = min(n, max(k + 1, int(torch.searchsorted(ends, base + per_step, right=True))))
-        count = nrows[k:stop]
-        run_of_row = torch.repeat_interleave(torch.arange(stop - k, device=device), count)
-        first = torch.cumsum(count, 0) - count
-        within = torch.arange(int(count.sum()), device=device) - first[run_of_row]  # row index inside its run
-        index = starts[k:stop][run_of_row] // ROW + within
-        sums = torch.matmul(rows.index_select(0, index).to(torch.float32), weights).to(torch.int64)  # exact
-        row_total, row_inner = sums[:, 0], sums[:, 1]
-        row_offset = offsets[k:stop][run_of_row] + within * ROW  # of the row's first byte in its unit
-        unit = units[k:stop][run_of_row]
-        total.index_add_(0, unit, row_total)
-        weighted.index_add_(0, unit, (row_offset + 1) * row_total + row_inner)
-        k = stop
+    j = torch.arange(ROW, dtype=torch.float32, device=memory.device)
+    weights = torch.stack([torch.ones_like(j), j], dim=1)  # [256, 2]: sum(x), sum(j * x) per row
+    for run, within in _expanded(lengths // ROW, CHUNK_BYTES // ROW):  # within: the row's index in its run
+        sums = torch.matmul(rows.index_select(0, starts[run] // ROW + within).to(torch.float32), weights)
+        row_total, row_inner = sums[:, 0].to(torch.int64), sums[:, 1].to(torch.int64)  # exact
+        total.index_add_(0, units[run], row_total)
+        weighted.index_add_(0, units[run], (offsets[run] + within * ROW + 1) * row_total + row_inner)
 
 
 def _bytes_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
                 units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
-    """Add the sums of any runs, byte by byte, ``CHUNK_BYTES`` at a time (a longer run alone)."""
-    device = memory.device
-    ends = torch.cumsum(lengths, 0)
-    k, n = 0, len(lengths)
+    """Add the sums of any runs, byte by byte."""
+    for run, within in _expanded(lengths, CHUNK_BYTES):  # within: the byte's offset in its run
+        x = memory[starts[run] + within].to(torch.int64)
+        total.index_add_(0, units[run], x)
+        weighted.index_add_(0, units[run], x * (offsets[run] + within + 1))
+
+
+def _expanded(counts: torch.Tensor, per_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Runs of ``counts[k]`` elements each, expanded to one entry per element, about ``per_step`` elements at a
+    time (a longer run alone): for each entry its run's index and its index inside that run."""
+    device = counts.device
+    ends = torch.cumsum(counts, 0)
+    k, n = 0, len(counts)
     while k < n:
         base = int(ends[k - 1]) if k else 0
-        stop = min(n, max(k + 1, int(torch.searchsorted(ends, base + CHUNK_BYTES, right=True))))
-        length = lengths[k:stop]
-        run_of_byte = torch.repeat_interleave(torch.arange(stop - k, device=device), length)
-        first_byte = torch.cumsum(length, 0) - length
-        within = torch.arange(int(length.sum()), device=device) - first_byte[run_of_byte]
-        x = memory[starts[k:stop][run_of_byte] + within].to(torch.int64)
-        unit = units[k:stop][run_of_byte]
-        total.index_add_(0, unit, x)
-        weighted.index_add_(0, unit, x * (offsets[k:stop][run_of_byte] + within + 1))
+        stop = min(n, max(k + 1, int(torch.searchsorted(ends, base + max(1, per_step), right=True))))
+        count = counts[k:stop]
+        local_run = torch.repeat_interleave(torch.arange(stop - k, device=device), count)
+        within = torch.arange(int(count.sum()), device=device) - (torch.cumsum(count, 0) - count)[local_run]
+        yield local_run + k, within
         k = stop
 
 
@@ -188,11 +128,6 @@ def digest_reference(unit_bytes: bytes, offsets: Sequence[int] | None = None) ->
     """The definition: ``(total, weighted)`` of the bytes of one unit at ``offsets`` (default: all of them)."""
     chosen = range(len(unit_bytes)) if offsets is None else offsets
     return sum(unit_bytes[o] for o in chosen), sum((o + 1) * unit_bytes[o] for o in chosen)
-
-
-def _check_unit(unit_bytes: int) -> None:
-    if not 0 < unit_bytes <= MAX_UNIT_BYTES:
-        raise ValueError(f"a unit of {unit_bytes} bytes: the digest's sums are exact for 1 .. 2^26 bytes")
 
 
 class KVMemory:
@@ -212,11 +147,9 @@ class KVMemory:
         ValueError for a run outside every storage."""
         by_storage: dict[int, Runs] = {}
         for addr, offset, length, unit in runs:
-            at = bisect.bisect_right(self._bases, addr) - 1
-            if at < 0 or addr + length > self._bases[at] + self._memory[at].numel():
-                raise ValueError(f"{length} bytes at {addr:#x} lie outside the KV memory")
+            at, start = self._locate(addr, length)
             part = by_storage.setdefault(at, Runs([], [], [], []))
-            part.starts.append(addr - self._bases[at])  # type: ignore[attr-defined]
+            part.starts.append(start)  # type: ignore[attr-defined]
             part.offsets.append(offset)  # type: ignore[attr-defined]
             part.lengths.append(length)  # type: ignore[attr-defined]
             part.units.append(unit)  # type: ignore[attr-defined]
@@ -228,6 +161,19 @@ class KVMemory:
                 total[u] += a
                 weighted[u] += b
         return list(zip(total, weighted))
+
+
+    def flip_byte(self, addr: int, mask: int) -> None:
+        """XOR the byte at ``addr`` with ``mask``, on its device (the test hook that corrupts a read in flight)."""
+        at, start = self._locate(addr, 1)
+        self._memory[at][start] ^= mask
+
+    def _locate(self, addr: int, length: int) -> tuple[int, int]:
+        """(storage index, offset in it) of ``length`` bytes at ``addr``; ValueError outside every storage."""
+        at = bisect.bisect_right(self._bases, addr) - 1
+        if at < 0 or addr + length > self._bases[at] + self._memory[at].numel():
+            raise ValueError(f"{length} bytes at {addr:#x} lie outside the KV memory")
+        return at, addr - self._bases[at]
 
 
 def sums_of_units(memory: KVMemory, planes: Sequence[PlaneGeometry], query: DigestQuery) -> list[tuple[int, int]]:

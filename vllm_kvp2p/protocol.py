@@ -174,6 +174,9 @@ class Renew(msgspec.Struct, frozen=True, tag="renew"):
 #: Bounds on one integrity question (vllm_kvp2p/lifecycle/integrity.py); a bigger one is not answered.
 MAX_DIGEST_UNITS = 4096
 MAX_DIGEST_RANGES = 65536
+#: What D lets one question weigh, encoded: half of the largest request P's side channel takes (64 KiB,
+#: vllm_kvp2p/side_channel.MAX_REQUEST_BYTES; a bigger frame gets the connection dropped, and the release lost).
+MAX_DIGEST_QUESTION_BYTES = 32 << 10
 
 
 class UnitRanges(msgspec.Struct, frozen=True, array_like=True):

@@ -14,6 +14,7 @@ from vllm_kvp2p.lifecycle.integrity import (
     verification_for,
 )
 from vllm_kvp2p.protocol import (
+    MAX_DIGEST_QUESTION_BYTES,
     MAX_DIGEST_RANGES,
     MAX_DIGEST_UNITS,
     DigestQuery,
@@ -105,3 +106,23 @@ def test_the_verdict() -> None:
     assert judge(q, [(1, 2), (3, 4)], None).verdict is Verdict.UNVERIFIED  # an older P
     assert judge(q, [(1, 2), (3, 4)], [UnitSums(1, 2)]).verdict is Verdict.UNVERIFIED  # a short answer
     assert judge(q, (), [UnitSums(1, 2), UnitSums(3, 4)]).verdict is Verdict.UNVERIFIED  # D could not sum
+
+
+def test_a_full_question_stays_within_what_p_side_channel_takes() -> None:
+    """A big pull in full mode (64 layers x 1024 blocks) and a sliced one (4-byte runs): D asks about as many units
+    as fit in MAX_DIGEST_QUESTION_BYTES, in order, and the release carrying the question stays under the 64 KiB P's
+    side channel accepts (a bigger frame gets the connection dropped and the release lost)."""
+    from vllm_kvp2p.side_channel import MAX_REQUEST_BYTES
+
+    planes = [PlaneGeometry(0x100000000 + i * 0x10000000, 8192, 8192, 4096) for i in range(64)]
+    whole = Descriptors([0x900000000 + i * 8192 * 1024 for i in range(64)], [p.base_addr for p in planes],
+                        [8192 * 1024] * 64)
+    sliced = Descriptors(list(range(0, 400_000, 4)), [planes[0].base_addr + 8 * i for i in range(100_000)],
+                         [4] * 100_000)
+    for descriptors in (whole, sliced):
+        v = verification_for(descriptors, planes, IntegrityMode.FULL, seed=1)
+        assert v is not None and 0 < len(v.query.units) <= MAX_DIGEST_UNITS
+        release = Release("r" * 256, "h" * 256, "d" * 256, 1, True, "t" * 64, v.query)
+        assert len(encode(release)) <= MAX_DIGEST_QUESTION_BYTES + 1024 <= MAX_REQUEST_BYTES // 2 + 1024
+        assert {r.unit for r in v.local_runs} == set(range(len(v.query.units)))  # D sums exactly what it asks
+    assert len(verification_for(whole, planes, IntegrityMode.FULL, seed=1).query.units) > 2000

@@ -17,10 +17,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
+from vllm_kvp2p.protocol import MAX_DIGEST_QUESTION_BYTES, DigestQuery, UnitRanges, UnitSums
 from vllm_kvp2p.protocol import MAX_DIGEST_RANGES as MAX_RANGES
 from vllm_kvp2p.protocol import MAX_DIGEST_UNITS as MAX_UNITS
-from vllm_kvp2p.protocol import DigestQuery, UnitRanges, UnitSums
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 class IntegrityMode(str, enum.Enum):
@@ -64,9 +68,10 @@ def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeom
                      seed: int, sampled_units: int = 4) -> Verification | None:
     """The question for P and D's runs for a pull's ``descriptors`` from one P rank with ``remote_planes``: every
     unit read (``FULL``), or ``sampled_units`` pieces (what one descriptor read of one block) drawn with ``seed``
-    plus the last one (``SAMPLED``). None
-    when nothing is verified. Raises ValueError for a descriptor outside every plane (D built it from P's
-    registration: that is a bug, not a peer's doing)."""
+    plus the last one (``SAMPLED``); as many units, in order, as fit in ``MAX_DIGEST_QUESTION_BYTES`` encoded
+    (about 3,400 whole block-layers: beyond, the rest of a pull goes unchecked and ``PullResult.verified_units`` says
+    how many were). None when nothing is verified. Raises ValueError for a descriptor outside every plane (D built
+    it from P's registration: that is a bug, not a peer's doing)."""
     if mode is IntegrityMode.OFF or not len(descriptors):
         return None
     order = sorted(range(len(remote_planes)), key=lambda i: remote_planes[i].base_addr)
@@ -109,18 +114,23 @@ def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeom
                 pieces.setdefault((p, block), []).append((offset, take, local))
             local, start, length = local + take, (block + 1) * plane.block_stride, length - take
         index += n
-    units = list(pieces)[:MAX_UNITS]
-    query, runs = [], []
-    for index, unit in enumerate(units):
+    query: list[UnitRanges] = []
+    runs: list[LocalRun] = []
+    size = len(_encoder.encode(DigestQuery([])))
+    for unit, found in pieces.items():
         merged: list[int] = []
-        for offset, n, local in sorted(pieces[unit]):
-            runs.append(LocalRun(local, offset, n, index))
+        for offset, n, _ in sorted(found):
             if merged and merged[-2] + merged[-1] == offset:
                 merged[-1] += n
             else:
                 merged += [offset, n]
-        query.append(UnitRanges(unit[0], unit[1], merged))
-    return Verification(DigestQuery(query), tuple(runs))
+        ranges = UnitRanges(unit[0], unit[1], merged)
+        size += len(_encoder.encode(ranges))
+        if len(query) == MAX_UNITS or size > MAX_DIGEST_QUESTION_BYTES:  # (and so within MAX_RANGES)
+            break  # the rest unchecked: a release P drops (too big) would lose the whole read
+        runs += [LocalRun(local, offset, n, len(query)) for offset, n, local in sorted(found)]
+        query.append(ranges)
+    return Verification(DigestQuery(query), tuple(runs)) if query else None
 
 
 def _drawn(chosen: list[int], piece: int) -> bool:

@@ -137,13 +137,9 @@ def _engines_in(value: object) -> list[object]:
 
     if isinstance(value, VllmServer):
         return [value]
-    found = []
-    for name in ("prefill", "decode", "prefills", "decodes", "producer", "consumer"):
-        part = getattr(value, name, None)
-        for item in part if isinstance(part, (list, tuple)) else [part]:
-            if isinstance(item, VllmServer):
-                found.append(item)
-    return found
+    # The deployments of this suite: P/D pairs and clusters (prefill, decode), the soak's (engines: both P and D).
+    parts = [getattr(value, "prefill", None), getattr(value, "decode", None), *getattr(value, "engines", ())]
+    return [part for part in parts if isinstance(part, VllmServer)]
 
 
 @pytest.fixture(autouse=True)

@@ -108,6 +108,25 @@ def needed_tail(group: KVGroup, block_ids: Sequence[int], num_tokens: int) -> li
     return ids[len(ids) - count:] if len(ids) > count else ids  # count may be 0 (a window of one token)
 
 
+def load_failure_problem(num_groups: int, loads_kv: bool, reports_failed_requests: bool) -> str | None:
+    """Why an engine could not survive one failed pull (None: it can).
+
+    A vLLM that takes failed loads only as block ids (0.23) maps them back to requests through one block list per
+    request, and its scheduler raises (``(req_block_ids,) = get_block_ids(...)``: too many values to unpack) for a
+    model with several KV-cache groups: the first failed pull would stop D's engine. Such a D is refused at
+    start-up instead; P never loads, so it is not concerned."""
+    if not loads_kv or reports_failed_requests or num_groups <= 1:
+        return None
+    return (
+        f"MooncakeP2PConnector cannot run as a decoder on this vLLM with {num_groups} KV-cache groups (vLLM's hybrid "
+        "allocator, e.g. sliding-window and full-attention layers): this vLLM reports a failed KV load to its "
+        "scheduler only as block ids, which it cannot map back to requests with several groups, so the first "
+        "failed pull would stop this engine. Start D and P with --disable-hybrid-kv-cache-manager (one group: "
+        "sliding-window layers then keep and move every block; P and D must agree), or run a vLLM that reports "
+        "failed requests (0.32 does). docs/models.md"
+    )
+
+
 def groups_from_vllm(kv_cache_config: KVCacheConfig, transfer_group_ids: Sequence[int]) -> tuple[KVGroup, ...]:
     """The transfer groups of vLLM's KV-cache config as :class:`KVGroup` s; raises
     :class:`UnsupportedKVCacheError` for a group of any other attention type (Mamba / linear attention state,

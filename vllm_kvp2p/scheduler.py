@@ -17,11 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from vllm_kvp2p import compat
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.identity import incarnation
-from vllm_kvp2p.kv_groups import FULL, common_block_size, groups_from_vllm, has_state, needed_tail
+from vllm_kvp2p.kv_groups import (
+    FULL,
+    UnsupportedKVCacheError,
+    common_block_size,
+    groups_from_vllm,
+    has_state,
+    load_failure_problem,
+    needed_tail,
+)
 from vllm_kvp2p.lifecycle.admission import Admitted, Prompt
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.failure import Failure
@@ -123,6 +132,10 @@ class SchedulerSide:
         # Refuses a KV cache it cannot move (Mamba state, ...) here, at engine start-up.
         self.group_ids = transfer_group_ids(kv_cache_config)
         self.groups = groups_from_vllm(kv_cache_config, self.group_ids)
+        unrecoverable = load_failure_problem(len(kv_cache_config.kv_cache_groups), self.is_consumer,
+                                             compat.REPORTS_FAILED_REQUESTS)
+        if unrecoverable:
+            raise UnsupportedKVCacheError(unrecoverable)
         self._full_group = next((i for i, g in enumerate(self.groups) if g.kind == FULL), None)
         self.block_size = common_block_size(self.groups, vllm_config.cache_config.block_size)
         self.incarnation = incarnation(vllm_config, engine_id)

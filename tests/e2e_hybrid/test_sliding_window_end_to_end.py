@@ -24,7 +24,6 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.e2e_hybrid.conftest import LAYER_TYPES, WINDOW
-from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 
@@ -78,11 +77,6 @@ def test_a_corrupted_transfer_changes_the_answer(hybrid_cluster: PDCluster) -> N
     assert max_logprob_gap(corrupted, baseline(hybrid_cluster, prompt)) > 100 * LOGPROB_TOL
 
 
-@pytest.mark.skipif(not REPORTS_FAILED_REQUESTS, reason=(
-    "vLLM 0.23 cannot recover a failed KV load of a model with several KV-cache groups: it takes load failures "
-    "only as invalid block ids and its scheduler unpacks one group (`(req_block_ids,) = get_block_ids(...)`, its "
-    "own 'TODO: add support for hybrid memory allocator'), so ANY failed pull kills D's EngineCore. Found by this "
-    "test; not fixed yet (docs/models.md)"))
 def test_a_byte_changed_in_flight_is_caught_and_d_recomputes_the_right_answer(hybrid_cluster: PDCluster) -> None:
     prompt = prompt_ids(150, seed=4344)
     out = pd(hybrid_cluster, prompt, kvp2p_test_corrupt="in_flight")

@@ -295,8 +295,8 @@ def pulled_blocks(scheduler: Scheduler, request_ids: Iterable[str] | None) -> se
     (still unhashed while the load is pending), which is what the worker reports for a failed pull."""
     blocks: set[int] = set()
     for request_id in request_ids or ():
-        (group,) = scheduler.kv_cache_manager.coordinator.get_blocks(request_id)
-        blocks.update(b.block_id for b in group if b.block_hash is None and not b.is_null)
+        for group in scheduler.kv_cache_manager.coordinator.get_blocks(request_id):
+            blocks.update(b.block_id for b in group if b.block_hash is None and not b.is_null)
     return blocks
 
 

@@ -22,6 +22,8 @@ from tests.scheduler.harness import (
     step,
     tokens,
 )
+from vllm_kvp2p import compat
+from vllm_kvp2p.kv_groups import UnsupportedKVCacheError
 
 BS = 16
 WINDOW = 40  # tokens: cdiv(40, 16) + 1 = 4 blocks at most
@@ -30,6 +32,9 @@ NUM_BLOCKS = 200
 
 
 def hybrid_scheduler(role: str, engine_id: str, window: int | None = WINDOW):
+    if role != "kv_producer" and window is not None and not compat.REPORTS_FAILED_REQUESTS:
+        pytest.skip("this vLLM refuses a decoder with several KV-cache groups "
+                    "(test_a_decoder_with_several_groups_is_refused_where_vllm_takes_failures_only_as_block_ids)")
     return make_scheduler(make_vllm_config(role, engine_id=engine_id, block_size=BS), num_blocks=NUM_BLOCKS,
                           sliding_window=window)
 
@@ -47,10 +52,40 @@ def prefill(p_sched, request_id: str, prompt: list[int]) -> tuple[dict, tuple[li
 
 
 def test_connector_keeps_vllms_hybrid_allocator_on() -> None:
-    sched = hybrid_scheduler("kv_consumer", "d")
+    sched = hybrid_scheduler("kv_producer", "p")
     assert isinstance(sched.connector, SupportsHMA)
     assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     assert len(sched.kv_cache_manager.kv_cache_config.kv_cache_groups) == 2
+
+
+def test_a_decoder_with_several_groups_is_refused_where_vllm_takes_failures_only_as_block_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.23's case, on any vLLM: D's engine does not start, with the way out named; P and a one-group D do."""
+    monkeypatch.setattr(compat, "REPORTS_FAILED_REQUESTS", False)
+    with pytest.raises(UnsupportedKVCacheError, match="--disable-hybrid-kv-cache-manager"):
+        make_scheduler(make_vllm_config("kv_consumer", engine_id="d", block_size=BS), num_blocks=NUM_BLOCKS,
+                       sliding_window=WINDOW)
+    with pytest.raises(UnsupportedKVCacheError, match="2 KV-cache groups"):
+        make_scheduler(make_vllm_config("kv_both", engine_id="d", block_size=BS), num_blocks=NUM_BLOCKS,
+                       sliding_window=WINDOW)
+    make_scheduler(make_vllm_config("kv_producer", engine_id="p", block_size=BS), num_blocks=NUM_BLOCKS,
+                   sliding_window=WINDOW)
+    make_scheduler(make_vllm_config("kv_consumer", engine_id="d", block_size=BS), num_blocks=NUM_BLOCKS)
+
+
+@pytest.mark.skipif(compat.REPORTS_FAILED_REQUESTS, reason="this vLLM takes failed loads as request ids")
+def test_without_the_refusal_one_failed_pull_stops_this_vllms_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the refusal exists: with the check bypassed, the block ids of one failed pull make vLLM 0.23's own
+    scheduler raise (its engine core dies with it)."""
+    p_sched = hybrid_scheduler("kv_producer", "p")
+    monkeypatch.setattr(compat, "REPORTS_FAILED_REQUESTS", True)  # only the start-up check reads it
+    d_sched = hybrid_scheduler("kv_consumer", "d")
+    prompt = tokens(100)
+    params, _ = prefill(p_sched, "p1", prompt)
+    d_sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=params))
+    step(d_sched)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        step(d_sched, finished_recving={"d1"}, failed_recving={"d1"})
 
 
 @pytest.mark.parametrize("num_tokens", [100, 33, 20], ids=["beyond-window", "just-under-window", "one-block-plus"])

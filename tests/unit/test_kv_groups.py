@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from tests.support.prompts import prompt, remote
-from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, needed_tail
+from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, load_failure_problem, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, LocalKV, Source
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
@@ -29,6 +29,21 @@ def test_blocks_a_decoder_needs_per_group() -> None:
     assert needed_tail(STATE_G, [0, 0, 7, 0], 60) == [7]  # the running state: the one real block
     assert (FULL_G.max_blocks, SLIDING_G.max_blocks, STATE_G.max_blocks) == (None, 4, 1)
     assert has_state((FULL_G, STATE_G)) and not has_state((FULL_G, SLIDING_G))
+
+
+@pytest.mark.parametrize(("groups", "loads", "reports_requests", "refused"), [
+    (2, True, False, True),  # D on vLLM 0.23 with the hybrid allocator: one failed pull would stop the engine
+    (3, True, False, True),
+    (1, True, False, False),  # one group: vLLM maps failed block ids back to requests
+    (2, False, False, False),  # P never loads
+    (2, True, True, False),  # vLLM 0.32 takes failed requests
+])
+def test_a_decoder_that_could_not_survive_a_failed_pull_is_refused(groups: int, loads: bool,
+                                                                   reports_requests: bool, refused: bool) -> None:
+    problem = load_failure_problem(groups, loads, reports_requests)
+    assert (problem is not None) == refused
+    if problem:
+        assert "--disable-hybrid-kv-cache-manager" in problem and f"{groups} KV-cache groups" in problem
 
 
 def hybrid_params(lists: list[list[int]], num_tokens: int, block_size: int = BS) -> dict:

@@ -168,15 +168,21 @@ class KVP2PConfig:
     # start-up line and `vllm-kvp2p check`; set by from_sources.
     sources: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
     integrity: str = setting(
-        "off",
-        "KV integrity digest of pulled blocks (docs/reliability.md): `off`, `sampled` (a few blocks of every pull"
-        " and always its last one) or `full` (every block, up to about 3,400 block-layers per P rank and pull). D "
-        "sums the bytes it read, P the same bytes of its held blocks, compared in the release's round trip; a "
-        "mismatch fails the load as `corrupted`",
+        "sampled",
+        "KV integrity digest of pulled blocks (docs/reliability.md): `off`, `sampled` (a few blocks of a share of "
+        "the pulls, always including a pull's last block) or `full` (every block of every pull, up to about 3,400 "
+        "block-layers per P rank and pull). D sums the bytes it read, P the same bytes of its held blocks, "
+        "compared in the release's round trip; a mismatch fails the load as `corrupted`",
     )
     integrity_sampled_units: int = setting(
         4,
-        "with `integrity=sampled`: blocks (of one layer plane each) verified per pull besides its last, 1..1024",
+        "with `integrity=sampled`: blocks (of one layer plane each) verified per sampled pull besides its last, "
+        "1..1024",
+    )
+    integrity_sampled_pulls: float = setting(
+        0.25,
+        "with `integrity=sampled`: the share of pulls verified, chosen by request id (every D rank makes the same "
+        "choice), above 0 and at most 1",
     )
     test_hooks: bool = setting(
         False,
@@ -236,6 +242,9 @@ class KVP2PConfig:
         _choice(self.integrity, INTEGRITY_MODES, "integrity")
         if not 1 <= self.integrity_sampled_units <= 1024:
             raise ConfigError(f"integrity_sampled_units={self.integrity_sampled_units}: allowed values are 1..1024")
+        if not 0 < self.integrity_sampled_pulls <= 1:
+            raise ConfigError(f"integrity_sampled_pulls={self.integrity_sampled_pulls}: allowed values are above 0 "
+                              "and at most 1 (integrity=off verifies nothing)")
         if self.protocol:
             _choice(self.protocol, PROTOCOLS, "protocol")
         if self.host in WILDCARD_HOSTS:
@@ -466,6 +475,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "clock_skew": _as_float,
     "integrity": _as_lower_str,
     "integrity_sampled_units": _as_int,
+    "integrity_sampled_pulls": _as_float,
     "test_hooks": _as_bool,
 }
 

@@ -98,6 +98,7 @@ class PullLoop:
         on_result: Callable[[], None] | None = None,
         integrity: IntegrityMode = IntegrityMode.OFF,
         sampled_units: int = 4,
+        sampled_pulls: float = 1.0,
         memory: KVMemory | None = None,
     ) -> None:
         """``on_result``: called (on a pull thread) after each result is ready for :meth:`take_results`.
@@ -106,6 +107,7 @@ class PullLoop:
         self.engine = engine
         self.integrity = integrity if memory is not None else IntegrityMode.OFF
         self.sampled_units = sampled_units
+        self.sampled_pulls = sampled_pulls
         self.memory = memory
         self.reader = reader
         self.tp_size = tp_size
@@ -238,6 +240,7 @@ class PullLoop:
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
             timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
             wall_now_ms=time.time_ns() // 1_000_000, integrity=self.integrity, sampled_units=self.sampled_units,
+            sampled_pulls=self.sampled_pulls,
         )
 
     def _drive(self, plan: PullPlan, sources: tuple[Source, ...], job: ConsumerPull, client: SideChannelClient,
@@ -341,14 +344,20 @@ class PullLoop:
             finally:
                 slot.release()
         elif isinstance(action, SendRelease):
-            mine = self._local_sums(plan, action.verification)  # before the release: P answers with its own
+            mine: list[tuple[int, int]] | None = None
+
+            def local_sums() -> None:  # D's sums while P computes its own (D's copies do not change meanwhile)
+                nonlocal mine
+                mine = self._local_sums(plan, action.verification)
+
             budget = job.time_left(time.monotonic())
             if job.failed and job.result().failure is Failure.UNREACHABLE:
                 # P just did not answer: one short try, so that the lane is free for the next plan; P's hold
                 # timeout frees the blocks if this one is lost too.
                 budget = min(budget, PROBE_TIMEOUT_S)
             try:
-                answer = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget)
+                answer = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget,
+                                        meanwhile=local_sums if action.verification is not None else None)
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
                 logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "

@@ -188,8 +188,10 @@ class SideChannelClient:
     def open_sockets(self) -> int:
         return len(self._socks)
 
-    def request(self, host: str, port: int, message: Request, timeout: float | None = None) -> Reply:
-        """``timeout`` (at most the client's own) bounds this call: all attempts and probes together."""
+    def request(self, host: str, port: int, message: Request, timeout: float | None = None,
+                meanwhile: Callable[[], None] | None = None) -> Reply:
+        """``timeout`` (at most the client's own) bounds this call: all attempts and probes together.
+        ``meanwhile`` runs once, right after the message first went out (work that overlaps P's answer)."""
         address = endpoint(host, port)
         budget = self.timeout if timeout is None else min(timeout, self.timeout)
         deadline = time.monotonic() + budget
@@ -200,6 +202,12 @@ class SideChannelClient:
         error: Exception | None = None
         if address not in self._socks:
             self._refuse_if_dead(host, port, address, deadline)
+        pending = [meanwhile] if meanwhile is not None else []
+
+        def once() -> None:  # after the first send that went out, whichever attempt that was
+            if pending:
+                pending.pop()()
+
         tried = 0
         for attempt in range(self.attempts):
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -207,7 +215,8 @@ class SideChannelClient:
                 break
             tried += 1
             try:
-                return self._once(address, message, max(50, min(first_ms if attempt == 0 else rest_ms, left_ms)))
+                return self._once(address, message, max(50, min(first_ms if attempt == 0 else rest_ms, left_ms)),
+                                  once)
             except zmq.ZMQError as exc:
                 self._drop(address)
                 error = exc
@@ -224,7 +233,8 @@ class SideChannelClient:
         if left > 0.01 and probe(host, port, min(PROBE_TIMEOUT_S, left)) is False:
             raise PeerRefused(f"connection refused by {address}: no side channel listens there (P is not running)")
 
-    def _once(self, endpoint: str, message: Request, timeout_ms: int) -> Reply:
+    def _once(self, endpoint: str, message: Request, timeout_ms: int,
+              meanwhile: Callable[[], None] | None = None) -> Reply:
         sock = self._socks.get(endpoint)
         if sock is not None:
             self._socks.move_to_end(endpoint)
@@ -243,6 +253,8 @@ class SideChannelClient:
         if self._auth is not None:
             data, nonce = self._auth.seal_request(data, _now_ms())
         sock.send(data)
+        if meanwhile is not None:
+            meanwhile()
         data = sock.recv()
         if self._auth is not None:
             try:

@@ -284,6 +284,7 @@ class WorkerSide:
                 on_result=self._step_news.notify,
                 integrity=IntegrityMode(config.integrity),
                 sampled_units=config.integrity_sampled_units,
+                sampled_pulls=config.integrity_sampled_pulls,
                 memory=memory,
             )
 

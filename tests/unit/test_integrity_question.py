@@ -10,6 +10,7 @@ from vllm_kvp2p.lifecycle.integrity import (
     IntegrityMode,
     Verdict,
     judge,
+    pull_mode,
     query_problem,
     verification_for,
 )
@@ -126,3 +127,15 @@ def test_a_full_question_stays_within_what_p_side_channel_takes() -> None:
         assert len(encode(release)) <= MAX_DIGEST_QUESTION_BYTES + 1024 <= MAX_REQUEST_BYTES // 2 + 1024
         assert {r.unit for r in v.local_runs} == set(range(len(v.query.units)))  # D sums exactly what it asks
     assert len(verification_for(whole, planes, IntegrityMode.FULL, seed=1).query.units) > 2000
+
+
+def test_sampled_mode_verifies_a_share_of_pulls_the_same_on_every_rank() -> None:
+    ids = [f"cmpl-{i}-0" for i in range(20_000)]
+    chosen = [pull_mode(IntegrityMode.SAMPLED, rid, 0.25) for rid in ids]
+    share = chosen.count(IntegrityMode.SAMPLED) / len(ids)
+    assert 0.23 < share < 0.27 and set(chosen) == {IntegrityMode.SAMPLED, IntegrityMode.OFF}
+    assert chosen == [pull_mode(IntegrityMode.SAMPLED, rid, 0.25) for rid in ids]  # a function of the id alone
+    assert all(pull_mode(IntegrityMode.SAMPLED, rid, 1.0) is IntegrityMode.SAMPLED for rid in ids[:100])
+    for mode in (IntegrityMode.FULL, IntegrityMode.OFF):  # the share concerns sampled mode only
+        assert {pull_mode(mode, rid, 0.25) for rid in ids[:100]} == {mode}
+    assert pull_mode(IntegrityMode.SAMPLED, "\udcff lone surrogate", 0.5) in (IntegrityMode.SAMPLED, IntegrityMode.OFF)

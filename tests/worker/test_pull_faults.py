@@ -6,6 +6,7 @@ claims carry its deadline. Each defence is paired with what happened without it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -130,9 +131,10 @@ def test_before_an_authentication_failure_was_told_apart_p_was_taken_for_down(mo
     without P being asked."""
     once = SideChannelClient._once
 
-    def as_before(self: SideChannelClient, endpoint: str, message: Request, timeout_ms: int) -> Reply:
+    def as_before(self: SideChannelClient, endpoint: str, message: Request, timeout_ms: int,
+                  meanwhile: Callable[[], None] | None = None) -> Reply:
         try:
-            return once(self, endpoint, message, timeout_ms)
+            return once(self, endpoint, message, timeout_ms, meanwhile)
         except Unauthenticated as exc:
             raise SideChannelError(str(exc)) from None
 

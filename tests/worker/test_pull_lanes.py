@@ -98,10 +98,10 @@ def test_pulls_from_one_p_overlap_their_round_trips_but_not_their_reads(
     lock = threading.Lock()
     request = SideChannelClient.request
 
-    def timed_request(self, host, port, message, timeout=None):
+    def timed_request(self, host, port, message, timeout=None, meanwhile=None):
         t0 = time.monotonic()
         try:
-            return request(self, host, port, message, timeout)
+            return request(self, host, port, message, timeout, meanwhile)
         finally:
             if isinstance(message, Claim):
                 with lock:

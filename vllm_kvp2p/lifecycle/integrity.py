@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,17 @@ class Judgement:
     verdict: Verdict
     units: int = 0  # units compared
     first_bad: UnitRanges | None = None  # the first unit whose sums differ
+
+
+def pull_mode(mode: IntegrityMode, request_id: str, sampled_pulls: float) -> IntegrityMode:
+    """The mode of one pull: ``SAMPLED`` verifies only a ``sampled_pulls`` share of the pulls (``OFF`` for the
+    others), chosen by a hash of the request id, so every D rank of the pull makes the same choice and a
+    request's verdict does not depend on which rank reports first. A sampled pull costs about a millisecond of
+    fixed work on each side whatever its size (docs/performance.md), hence a share and not every pull."""
+    if mode is not IntegrityMode.SAMPLED or sampled_pulls >= 1:
+        return mode
+    draw = int.from_bytes(hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()[:8], "little")
+    return mode if draw < sampled_pulls * 2**64 else IntegrityMode.OFF
 
 
 def verification_for(descriptors: Descriptors, remote_planes: Sequence[PlaneGeometry], mode: IntegrityMode,

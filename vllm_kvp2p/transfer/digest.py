@@ -72,12 +72,17 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
     offsets = torch.as_tensor(list(runs.offsets), dtype=torch.int64, device=device)
     lengths = torch.as_tensor(list(runs.lengths), dtype=torch.int64, device=device)
     units = torch.as_tensor(list(runs.units), dtype=torch.int64, device=device)
-    if bool((lengths <= 0).any()) or bool((offsets < 0).any()) or bool((offsets + lengths > MAX_UNIT_BYTES).any()):
-        raise ValueError("runs must have positive lengths and lie within a unit of at most 2^26 bytes")
-    if bool((starts < 0).any()) or bool((starts + lengths > memory.numel()).any()):
-        raise ValueError(f"a run lies outside the {memory.numel()}-byte memory")
+    # One check, one wait for the device (a sampled pull's few units cost in tensor calls, not in bytes).
+    bad = (lengths <= 0) | (offsets < 0) | (offsets + lengths > MAX_UNIT_BYTES) | (starts < 0) \
+        | (starts + lengths > memory.numel())
+    if bool(bad.any()):
+        raise ValueError(f"runs must have positive lengths, lie within a unit of at most 2^26 bytes and not "
+                         f"outside the {memory.numel()}-byte memory")
     # Runs of whole 256-byte rows (whole blocks, usually): gathered by row and summed by a matrix product.
     rowwise = ((starts + memory.storage_offset()) % ROW == 0) & (lengths % ROW == 0) & (memory.numel() >= ROW)
+    if bool(rowwise.all()):  # the common case: no selection needed
+        _rows_into(memory, starts, offsets, lengths, units, total, weighted)
+        return total, weighted
     if bool(rowwise.any()):
         _rows_into(memory, starts[rowwise], offsets[rowwise], lengths[rowwise], units[rowwise], total, weighted)
     rest = ~rowwise
@@ -90,13 +95,24 @@ def _rows_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor
                units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
     """Add the sums of runs made of whole 256-byte rows of ``memory`` (row-aligned starts)."""
     rows = memory[: memory.numel() // ROW * ROW].view(-1, ROW)
-    j = torch.arange(ROW, dtype=torch.float32, device=memory.device)
-    weights = torch.stack([torch.ones_like(j), j], dim=1)  # [256, 2]: sum(x), sum(j * x) per row
+    weights = _row_weights(memory.device)
     for run, within in _expanded(lengths // ROW, CHUNK_BYTES // ROW):  # within: the row's index in its run
         sums = torch.matmul(rows.index_select(0, starts[run] // ROW + within).to(torch.float32), weights)
         row_total, row_inner = sums[:, 0].to(torch.int64), sums[:, 1].to(torch.int64)  # exact
         total.index_add_(0, units[run], row_total)
         weighted.index_add_(0, units[run], (offsets[run] + within * ROW + 1) * row_total + row_inner)
+
+
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _row_weights(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32 on ``device``: a row times it gives sum(x) and sum(j * x) (made once per device)."""
+    weights = _WEIGHTS.get(device)
+    if weights is None:
+        j = torch.arange(ROW, dtype=torch.float32, device=device)
+        weights = _WEIGHTS[device] = torch.stack([torch.ones_like(j), j], dim=1)
+    return weights
 
 
 def _bytes_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,

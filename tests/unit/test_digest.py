@@ -126,11 +126,33 @@ def test_region_bytes_reads_the_storage_behind_non_contiguous_kv_views() -> None
 
 
 def test_rows_of_255_stay_exact() -> None:
-    """The float32 row sums are exact: the worst row (every byte 255) and a 4 MiB unit of them."""
+    """The row sums are exact: the worst row (every byte 255) and a 4 MiB unit of them."""
     n = 1 << 22
     unit = torch.full((n,), 255, dtype=torch.uint8)
-    total, weighted = digest_runs(unit, Runs([0], [0], [n], [0]), 1)  # whole rows: the matrix-product path
+    total, weighted = digest_runs(unit, Runs([0], [0], [n], [0]), 1)  # whole rows: the row path
     assert int(total[0]) == 255 * n and int(weighted[0]) == 255 * n * (n + 1) // 2
+
+
+@pytest.mark.parametrize("precision", ["medium", "high"])
+def test_sums_stay_exact_when_the_process_lets_float_matrix_products_round(precision: str) -> None:
+    """Anything in the engine may lower float32 matrix-product precision process-wide (TF32 on CUDA, HF32 on
+    Ascend, bfloat16 passes on CPUs with AMX); the digest uses no float products, so P's and D's sums stay exact.
+    The control: the same rows through a float product whose inputs are rounded to bfloat16, as such a pass
+    rounds them, give other sums (this CPU itself keeps float32 products exact at every setting)."""
+    rows = torch.full((64, ROW), 255, dtype=torch.uint8)
+    rows[:, ::3] = 251
+    expected = [digest_reference(bytes(rows[i].tolist())) for i in range(64)]
+    runs = Runs([i * ROW for i in range(64)], [0] * 64, [ROW] * 64, list(range(64)))
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        total, weighted = digest_runs(rows.view(-1), runs, 64)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert list(zip(total.tolist(), weighted.tolist())) == expected
+    j = torch.arange(ROW, dtype=torch.float32)
+    rounded = (rows.to(torch.bfloat16) @ torch.stack([torch.ones_like(j), j], dim=1).to(torch.bfloat16)).double()
+    assert rounded[:, 1].to(torch.int64).tolist() != [w - t for t, w in expected]
 
 
 def test_bad_runs_are_refused() -> None:

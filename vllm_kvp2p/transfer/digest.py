@@ -17,8 +17,11 @@ int64 for units up to 2^26 bytes (255 * (2^26)^2 / 2 < 2^63).
 
 Computed with plain tensor operations on the device where the KV lives, with no copy to the host and no kernel
 of our own: :func:`digest_runs` gathers runs of whole 256-byte rows (whole blocks, usually) by row and
-sums them with a matrix product, exact in float32 because one row's sums stay below 2^24, and every other run byte
-by byte. :func:`digest_reference` is the definition in plain Python, for tests.
+sums them per row with element-wise float32 products and sums (exact: every value stays an integer below 2^24,
+whatever the order of summation), and every other run byte by byte. No matrix product: it would be exact too, but
+only as long as nobody lets matrix products round (TF32 on CUDA, HF32 on Ascend,
+``torch.set_float32_matmul_precision``), a process-wide setting this module cannot own.
+:func:`digest_reference` is the definition in plain Python, for tests.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 #: Largest unit the int64 sums are exact for.
 MAX_UNIT_BYTES = 1 << 26
-#: Bytes gathered per step by :func:`digest_runs` (bounds its temporary tensors to a few times this).
-CHUNK_BYTES = 1 << 22
-ROW = 256  # the matrix product's row: sum(x) <= 65,280 and sum(j * x[j]) <= 8,323,200, both exact in float32 (< 2^24)
+#: Bytes gathered per step by :func:`digest_runs`: its float32 temporaries (4x this) stay in cache (on this CPU
+#: 256 KiB ran 2.1 ms/MiB, 4 MiB 4.5 ms/MiB: fresh 16 MiB temporaries fault their pages in on every call).
+CHUNK_BYTES = 1 << 18
+ROW = 256  # bytes summed per row: every product j * x[j] and partial sum is an integer below 2^24, exact in float32
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def region_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, weighted)``, int64 tensors of ``num_units``, of the byte runs ``runs`` of ``memory`` (a flat
     uint8 tensor, :func:`region_bytes`), each byte weighted by its offset in its unit. Any runs, in any order:
-    runs of whole 256-byte rows by a matrix product on the gathered rows, the others byte by byte; ``CHUNK_BYTES``
+    runs of whole 256-byte rows per gathered row, the others byte by byte; ``CHUNK_BYTES``
     at a time."""
     device = memory.device
     total = torch.zeros(num_units, dtype=torch.int64, device=device)
@@ -78,7 +82,7 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
     if bool(bad.any()):
         raise ValueError(f"runs must have positive lengths, lie within a unit of at most 2^26 bytes and not "
                          f"outside the {memory.numel()}-byte memory")
-    # Runs of whole 256-byte rows (whole blocks, usually): gathered by row and summed by a matrix product.
+    # Runs of whole 256-byte rows (whole blocks, usually): gathered and summed by row.
     rowwise = ((starts + memory.storage_offset()) % ROW == 0) & (lengths % ROW == 0) & (memory.numel() >= ROW)
     if bool(rowwise.all()):  # the common case: no selection needed
         _rows_into(memory, starts, offsets, lengths, units, total, weighted)
@@ -95,24 +99,24 @@ def _rows_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor
                units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
     """Add the sums of runs made of whole 256-byte rows of ``memory`` (row-aligned starts)."""
     rows = memory[: memory.numel() // ROW * ROW].view(-1, ROW)
-    weights = _row_weights(memory.device)
+    j = _row_offsets(memory.device)
     for run, within in _expanded(lengths // ROW, CHUNK_BYTES // ROW):  # within: the row's index in its run
-        sums = torch.matmul(rows.index_select(0, starts[run] // ROW + within).to(torch.float32), weights)
-        row_total, row_inner = sums[:, 0].to(torch.int64), sums[:, 1].to(torch.int64)  # exact
+        x = rows.index_select(0, starts[run] // ROW + within).to(torch.float32)
+        row_total = x.sum(dim=1).to(torch.int64)  # exact: see ROW
+        row_inner = (x * j).sum(dim=1).to(torch.int64)
         total.index_add_(0, units[run], row_total)
         weighted.index_add_(0, units[run], (offsets[run] + within * ROW + 1) * row_total + row_inner)
 
 
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_OFFSETS: dict[torch.device, torch.Tensor] = {}
 
 
-def _row_weights(device: torch.device) -> torch.Tensor:
-    """``[256, 2]`` float32 on ``device``: a row times it gives sum(x) and sum(j * x) (made once per device)."""
-    weights = _WEIGHTS.get(device)
-    if weights is None:
-        j = torch.arange(ROW, dtype=torch.float32, device=device)
-        weights = _WEIGHTS[device] = torch.stack([torch.ones_like(j), j], dim=1)
-    return weights
+def _row_offsets(device: torch.device) -> torch.Tensor:
+    """``0 .. 255`` as float32 on ``device`` (made once per device)."""
+    j = _OFFSETS.get(device)
+    if j is None:
+        j = _OFFSETS[device] = torch.arange(ROW, dtype=torch.float32, device=device)
+    return j
 
 
 def _bytes_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,

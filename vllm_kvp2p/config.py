@@ -180,7 +180,7 @@ class KVP2PConfig:
         "1..1024",
     )
     integrity_sampled_pulls: float = setting(
-        0.25,
+        0.1,
         "with `integrity=sampled`: the share of pulls verified, chosen by request id (every D rank makes the same "
         "choice), above 0 and at most 1",
     )

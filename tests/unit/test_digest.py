@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from vllm_kvp2p.transfer.digest import ROW, Runs, digest_reference, digest_runs, region_bytes
+from vllm_kvp2p.transfer.digest import ROW, KVMemory, Runs, digest_reference, digest_runs, region_bytes
 
 BLOCKS = 6
 
@@ -186,3 +186,28 @@ def test_row_runs_and_byte_runs_agree_with_the_definition() -> None:
     total, weighted = digest_runs(memory, runs, 4)
     assert [[int(total[u]), int(weighted[u])] for u in range(4)] == [expected[u] for u in range(4)]
     assert any(s % 256 == 0 and n % 256 == 0 for s, n in zip(runs.starts, runs.lengths))
+
+
+def test_kv_memory_sums_runs_across_many_storages_as_the_definition() -> None:
+    """A worker's KV is one storage per layer: runs of whole rows from all of them are summed together, odd runs
+    per storage, units spread over storages; every unit equals the definition over the same bytes."""
+    layers = [random_bytes(8 * 1024, seed=40 + i).view(8, 1024) for i in range(5)]
+    memory = KVMemory(layers)
+    rng = random.Random(7)
+    runs, expected = [], []
+    for unit in range(12):
+        layer = layers[rng.randrange(5)]
+        block = rng.randrange(8)
+        base = layer.data_ptr() + block * 1024
+        data = bytes(layer[block].tolist())
+        if unit % 3 == 0:  # whole block: the row path
+            runs.append((base, 0, 1024, unit))
+            expected.append(digest_reference(data))
+        else:  # a row and an odd piece: both paths for one unit
+            odd = rng.randrange(1, 200)
+            runs += [(base + 256, 256, 256, unit), (base + 600, 600, odd, unit)]
+            expected.append(digest_reference(data, list(range(256, 512)) + list(range(600, 600 + odd))))
+    rng.shuffle(runs)
+    assert memory.sums(runs, 12) == expected
+    with pytest.raises(ValueError, match="outside"):
+        memory.sums([(layers[0].data_ptr(), 0, 256, 12)], 12)  # no such unit

@@ -27,6 +27,7 @@ only as long as nobody lets matrix products round (TF32 on CUDA, HF32 on Ascend,
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -84,28 +85,54 @@ def digest_runs(memory: torch.Tensor, runs: Runs, num_units: int) -> tuple[torch
                          f"outside the {memory.numel()}-byte memory")
     # Runs of whole 256-byte rows (whole blocks, usually): gathered and summed by row.
     rowwise = ((starts + memory.storage_offset()) % ROW == 0) & (lengths % ROW == 0) & (memory.numel() >= ROW)
-    if bool(rowwise.all()):  # the common case: no selection needed
-        _rows_into(memory, starts, offsets, lengths, units, total, weighted)
-        return total, weighted
     if bool(rowwise.any()):
-        _rows_into(memory, starts[rowwise], offsets[rowwise], lengths[rowwise], units[rowwise], total, weighted)
+        picked = (starts, offsets, lengths, units) if bool(rowwise.all()) else \
+            (starts[rowwise], offsets[rowwise], lengths[rowwise], units[rowwise])
+        columns = torch.stack([picked[0] // ROW, picked[2] // ROW, picked[1], picked[3]], dim=1).tolist()
+        _rows_into([_rows_of(memory)], [(0, *c) for c in columns], total, weighted)
     rest = ~rowwise
     if bool(rest.any()):
         _bytes_into(memory, starts[rest], offsets[rest], lengths[rest], units[rest], total, weighted)
     return total, weighted
 
 
-def _rows_into(memory: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
-               units: torch.Tensor, total: torch.Tensor, weighted: torch.Tensor) -> None:
-    """Add the sums of runs made of whole 256-byte rows of ``memory`` (row-aligned starts)."""
-    rows = memory[: memory.numel() // ROW * ROW].view(-1, ROW)
-    j = _row_offsets(memory.device)
-    for run, within in _expanded(lengths // ROW, CHUNK_BYTES // ROW):  # within: the row's index in its run
-        x = rows.index_select(0, starts[run] // ROW + within).to(torch.float32)
+def _rows_of(memory: torch.Tensor) -> torch.Tensor:
+    """``memory`` (flat uint8) as rows of ``ROW`` bytes (a view; a tail shorter than a row is left out)."""
+    return memory[: memory.numel() // ROW * ROW].view(-1, ROW)
+
+
+def _rows_into(views: Sequence[torch.Tensor], runs: Sequence[tuple[int, int, int, int, int]], total: torch.Tensor,
+               weighted: torch.Tensor) -> None:
+    """Add the sums of runs of whole rows: ``(view, first row, rows, offset in unit, unit)`` each, ``views``
+    being :func:`_rows_of` memories (several storages: every KV layer may be one). Runs of one view must be
+    adjacent in ``runs``. One set of tensor operations per ``CHUNK_BYTES`` of rows, whatever the number of
+    storages they come from (each storage adds one gather): a pull touches one storage per layer."""
+    device = total.device
+    j = _row_offsets(device)
+    step = max(1, CHUNK_BYTES // ROW)
+    i = 0
+    while i < len(runs):
+        chunk, rows = [], 0
+        while i < len(runs) and (not chunk or rows + runs[i][2] <= step):  # a longer run goes alone
+            chunk.append(runs[i])
+            rows += runs[i][2]
+            i += 1
+        table = torch.tensor([c[1:] for c in chunk], dtype=torch.int64, device=device)  # first, rows, offset, unit
+        counts = table[:, 1]
+        run = torch.repeat_interleave(torch.arange(len(chunk), device=device), counts)
+        within = torch.arange(rows, device=device) - (torch.cumsum(counts, 0) - counts)[run]  # row index in run
+        index = table[:, 0][run] + within
+        pieces, at = [], 0
+        for view, group in itertools.groupby(chunk, key=lambda c: c[0]):
+            n = sum(c[2] for c in group)
+            pieces.append(views[view].index_select(0, index[at: at + n]))
+            at += n
+        x = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float32)
         row_total = x.sum(dim=1).to(torch.int64)  # exact: see ROW
         row_inner = (x * j).sum(dim=1).to(torch.int64)
-        total.index_add_(0, units[run], row_total)
-        weighted.index_add_(0, units[run], (offsets[run] + within * ROW + 1) * row_total + row_inner)
+        units = table[:, 3][run]
+        total.index_add_(0, units, row_total)
+        weighted.index_add_(0, units, (table[:, 2][run] + within * ROW + 1) * row_total + row_inner)
 
 
 _OFFSETS: dict[torch.device, torch.Tensor] = {}
@@ -161,27 +188,37 @@ class KVMemory:
             spans.setdefault(tensor.untyped_storage().data_ptr(), memory)
         self._bases = sorted(spans)
         self._memory = [spans[b] for b in self._bases]
+        self._rows = [_rows_of(m) for m in self._memory]
 
     def sums(self, runs: Sequence[tuple[int, int, int, int]], num_units: int) -> list[tuple[int, int]]:
         """``(total, weighted)`` per unit of ``runs``: ``(address, offset in unit, length, unit)`` each. Raises
-        ValueError for a run outside every storage."""
-        by_storage: dict[int, Runs] = {}
+        ValueError for a run outside every storage or any unit. Runs of whole rows (whole blocks, usually) of all
+        storages are summed together (:func:`_rows_into`); any others per storage by :func:`digest_runs`."""
+        rows: list[tuple[int, int, int, int, int]] = []
+        others: dict[int, Runs] = {}
         for addr, offset, length, unit in runs:
             at, start = self._locate(addr, length)
-            part = by_storage.setdefault(at, Runs([], [], [], []))
+            if not (0 <= unit < num_units and length > 0 and 0 <= offset and offset + length <= MAX_UNIT_BYTES):
+                raise ValueError(f"run ({addr:#x}, {offset}, {length}, unit {unit}) lies outside its unit")
+            if start % ROW == 0 and length % ROW == 0:  # storages start row-aligned: the storage offset is 0
+                rows.append((at, start // ROW, length // ROW, offset, unit))
+                continue
+            part = others.setdefault(at, Runs([], [], [], []))
             part.starts.append(start)  # type: ignore[attr-defined]
             part.offsets.append(offset)  # type: ignore[attr-defined]
             part.lengths.append(length)  # type: ignore[attr-defined]
             part.units.append(unit)  # type: ignore[attr-defined]
-        total = [0] * num_units
-        weighted = [0] * num_units
-        for at, part in by_storage.items():
+        device = self._memory[0].device if self._memory else torch.device("cpu")
+        total = torch.zeros(num_units, dtype=torch.int64, device=device)
+        weighted = torch.zeros_like(total)
+        if rows:
+            rows.sort(key=lambda r: r[0])  # runs of one storage adjacent (stable: their order kept)
+            _rows_into(self._rows, rows, total, weighted)
+        for at, part in others.items():
             t, w = digest_runs(self._memory[at], part, num_units)
-            for u, (a, b) in enumerate(zip(t.tolist(), w.tolist())):
-                total[u] += a
-                weighted[u] += b
-        return list(zip(total, weighted))
-
+            total += t
+            weighted += w
+        return list(zip(total.tolist(), weighted.tolist()))
 
     def flip_byte(self, addr: int, mask: int) -> None:
         """XOR the byte at ``addr`` with ``mask``, on its device (the test hook that corrupts a read in flight)."""

@@ -18,7 +18,9 @@ from vllm_kvp2p.testing.cluster import PDCluster, kv_transfer_config
 from vllm_kvp2p.testing.server import VllmServer, VllmServerError, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE, make_tiny_deepseek_v3
 
-MLA_ARGS = ("--dtype", "float32", "--block-size", str(MLA_BLOCK_SIZE), "--attention-backend", "CPU_MLA")
+# --max-model-len: the model's YaRN context is DeepSeek-V3's 163,840 tokens; the tests need far less KV cache.
+MLA_ARGS = ("--dtype", "float32", "--block-size", str(MLA_BLOCK_SIZE), "--attention-backend", "CPU_MLA",
+            "--max-model-len", "4096")
 
 
 def _has_cpu_mla() -> bool:

@@ -5,6 +5,12 @@ block size 16. The model is built by transformers' own ``DeepseekV3ForCausalLM``
 vLLM's loader expects) with all layers dense (``first_k_dense_replace`` = layers) and ``q_lora_rank`` None, then
 rescaled so attention matters: unit-variance embeddings and larger q / kv projections, as make_tiny_llama does,
 so a wrong KV cache shows in the answers. The tokenizer is make_tiny_llama's.
+
+RoPE is DeepSeek-V3's own: YaRN with its published values (:data:`DEEPSEEK_V3_YARN`; ``rope="default"`` gives plain
+RoPE). That matters on CPU: vLLM's plain ``RotaryEmbedding`` runs its CPU custom op, which assumes a 2-D
+``[tokens, heads x dim]`` layout and rotates the wrong rows of the 3-D strided views MLA passes it (see
+``scripts/repro_vllm_cpu_rope_mla.py``), so a plain-RoPE MLA model is not even position-consistent on one
+instance; YaRN's class has no CPU custom op and is correct.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from vllm_kvp2p.testing.tiny_model import BOS_ID, EOS_ID, PAD_ID, _spec, build_m
 
 #: What vLLM's CPU MLA backend needs.
 MLA_BLOCK_SIZE = 16
+#: DeepSeek-V3's RoPE (its config.json ``rope_scaling``): YaRN over an original 4,096-token context, factor 40.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                    "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                    "mscale_all_dim": 1.0}
 
 
 def make_tiny_deepseek_v3(
@@ -28,11 +38,19 @@ def make_tiny_deepseek_v3(
     vocab: int = 512,
     max_pos: int = 2048,
     dtype: str = "bfloat16",
+    rope: str = "yarn",
 ) -> Path:
     """Write (or reuse, when built with the same arguments) the model at ``path``; returns it. Same directory
     rules as make_tiny_llama (:func:`~vllm_kvp2p.testing.tiny_model.build_model_dir`)."""
     spec = _spec(architecture="DeepseekV3ForCausalLM", seed=seed, num_layers=num_layers, hidden=hidden,
-                 heads=heads, vocab=vocab, max_pos=max_pos, dtype=dtype)
+                 heads=heads, vocab=vocab, max_pos=max_pos, dtype=dtype, rope=rope)
+    if rope not in ("yarn", "default"):
+        raise ValueError(f"rope={rope!r}: 'yarn' (DeepSeek-V3's) or 'default' (plain RoPE)")
+    rope_parameters = dict(DEEPSEEK_V3_YARN) if rope == "yarn" else {"rope_type": "default", "rope_theta": 10000.0}
+    # YaRN's context is its original one times its factor, as in DeepSeek-V3's config (engines pass
+    # --max-model-len to keep their KV cache small).
+    positions = DEEPSEEK_V3_YARN["original_max_position_embeddings"] * DEEPSEEK_V3_YARN["factor"] \
+        if rope == "yarn" else max_pos
 
     def write(tmp: Path) -> None:
         import torch
@@ -43,7 +61,8 @@ def make_tiny_deepseek_v3(
             num_hidden_layers=num_layers, first_k_dense_replace=num_layers, num_attention_heads=heads,
             num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
             topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
-            v_head_dim=64, max_position_embeddings=max_pos, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+            v_head_dim=64, max_position_embeddings=int(positions), rope_parameters=rope_parameters,
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID,
             pad_token_id=PAD_ID, initializer_range=hidden**-0.5, tie_word_embeddings=False,
         )
         torch.manual_seed(seed)

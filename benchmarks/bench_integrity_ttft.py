@@ -9,7 +9,9 @@ The demo's engines (tiny test model, float32; P pinned to core 0, D to core 1, 1
   request id), the other half run exactly as with ``integrity=off``. Both halves are interleaved in one run, so
   the difference of their medians is the cost of a verified sampled pull, without the run-to-run noise that
   separate deployments would add (several ms here);
-- D at ``integrity=full``: every pull verified; compared with the unverified half of the first run.
+- D at ``integrity=sampled`` with ``integrity_sampled_pulls=0.5`` and ``integrity_sampled_units=1024`` (more
+  than a pull of this model has): half of the pulls verified in every unit, exactly what ``full`` does, again
+  against the unverified half of the same run.
 
 One request at a time, each a fresh random prompt: P prefills it (``do_remote_decode``, one token), then D
 (``max_tokens`` 1) pulls and computes the first token. Reported: P's time, D's time (pull + one step) and their
@@ -57,13 +59,13 @@ def run(model: Path, log_dir: Path, extra: dict[str, object], requests: int, pro
             assert report["ok"], report
             if i >= 5:  # the first few warm both engines up
                 rows.append({"p_ms": (t1 - t0) * 1e3, "d_ms": (t2 - t1) * 1e3, "ttft_ms": (t2 - t0) * 1e3,
-                             "verified": bool(report.get("verified"))})
+                             "verified": bool(report.get("verified")), "units": report.get("verified", 0)})
     return rows
 
 
 def medians(rows: list[dict[str, float | bool]]) -> dict[str, float]:
-    return {key: round(statistics.median(float(r[key]) for r in rows), 2) for key in ("p_ms", "d_ms", "ttft_ms")} \
-        | {"n": len(rows)}
+    return {key: round(statistics.median(float(r[key]) for r in rows), 2)
+            for key in ("p_ms", "d_ms", "ttft_ms", "units")} | {"n": len(rows)}
 
 
 def main() -> None:
@@ -74,24 +76,23 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvp2p-integrity-ttft-"))
     model = make_tiny_llama(base / "model")
-    sampled = run(model, base / "sampled", {"integrity": "sampled", "integrity_sampled_pulls": 0.5},
-                  args.requests, args.prompt_tokens, seed=1)
-    full = run(model, base / "full", {"integrity": "full"}, args.requests, args.prompt_tokens, seed=2)
-    plain = medians([r for r in sampled if not r["verified"]])
-    verified = medians([r for r in sampled if r["verified"]])
-    every = medians(full)
+    half = {"integrity": "sampled", "integrity_sampled_pulls": 0.5}
+    sampled = run(model, base / "sampled", half, args.requests, args.prompt_tokens, seed=1)
+    whole = run(model, base / "full", {**half, "integrity_sampled_units": 1024}, args.requests, args.prompt_tokens,
+                seed=2)
     share = KVP2PConfig().integrity_sampled_pulls
-    per_pull = verified["d_ms"] - plain["d_ms"]
-    result = {
-        "unverified_pulls": plain, "sampled_verified_pulls": verified, "full_mode_pulls": every,
-        "sampled_cost_ms_per_verified_pull": round(per_pull, 2),
-        "sampled_cost_pct_of_ttft_per_verified_pull": round(100 * per_pull / plain["ttft_ms"], 2),
-        "default_share_of_pulls_verified": share,
-        "sampled_cost_pct_of_ttft_at_default_share": round(100 * share * per_pull / plain["ttft_ms"], 2),
-        "full_cost_ms_per_pull": round(every["d_ms"] - plain["d_ms"], 2),
-        "full_cost_pct_of_ttft": round(100 * (every["d_ms"] - plain["d_ms"]) / plain["ttft_ms"], 2),
-        "requests": args.requests, "prompt_tokens": args.prompt_tokens, "logs": str(base),
-    }
+    result: dict[str, object] = {}
+    for name, rows in (("sampled", sampled), ("full", whole)):
+        plain, verified = medians([r for r in rows if not r["verified"]]), medians([r for r in rows if r["verified"]])
+        cost = verified["d_ms"] - plain["d_ms"]
+        result[name] = {"unverified_pulls": plain, "verified_pulls": verified,
+                        "cost_ms_per_verified_pull": round(cost, 2),
+                        "cost_pct_of_ttft_per_verified_pull": round(100 * cost / plain["ttft_ms"], 2)}
+    sampled_cost = result["sampled"]["cost_ms_per_verified_pull"]  # type: ignore[index]
+    ttft = result["sampled"]["unverified_pulls"]["ttft_ms"]  # type: ignore[index]
+    result |= {"default_share_of_pulls_verified": share,
+               "sampled_cost_pct_of_ttft_at_default_share": round(100 * share * sampled_cost / ttft, 2),
+               "requests": args.requests, "prompt_tokens": args.prompt_tokens, "logs": str(base)}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification, pull_mode
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -239,8 +239,8 @@ class PullLoop:
             plan, sources, self.reader, self.local,
             claim_wait=self.claim_wait, max_batch_entries=self.max_batch_entries, now=time.monotonic(),
             timeout=self.pull_timeout, release_timeout=self.side_channel_timeout, claim_id=secrets.token_hex(16),
-            wall_now_ms=time.time_ns() // 1_000_000, integrity=self.integrity, sampled_units=self.sampled_units,
-            sampled_pulls=self.sampled_pulls,
+            wall_now_ms=time.time_ns() // 1_000_000, sampled_units=self.sampled_units,
+            integrity=pull_mode(self.integrity, plan.request_id, self.sampled_pulls),  # this pull's share
         )
 
     def _drive(self, plan: PullPlan, sources: tuple[Source, ...], job: ConsumerPull, client: SideChannelClient,

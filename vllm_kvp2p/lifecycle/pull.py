@@ -25,15 +25,7 @@ from dataclasses import dataclass, field
 from vllm_kvp2p.kv_groups import STATE
 from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.lifecycle.integrity import (
-    IntegrityMode,
-    Judgement,
-    Verdict,
-    Verification,
-    judge,
-    pull_mode,
-    verification_for,
-)
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Judgement, Verdict, Verification, judge, verification_for
 from vllm_kvp2p.lifecycle.pull_actions import (
     Action,
     FetchRegistration,
@@ -109,7 +101,6 @@ class ConsumerPull:
         integrity: IntegrityMode = IntegrityMode.OFF,
         sampled_units: int = 4,
         wall_now_ms: int = 0,
-        sampled_pulls: float = 1.0,
     ) -> None:
         """``timeout``: the whole pull's budget (every round trip and read, from ``now``); past it the pull fails.
         ``release_timeout``: after that, how long the releases may take; past it the remaining ones are not sent
@@ -119,7 +110,7 @@ class ConsumerPull:
         that P refuses a claim delivered after D gave up and leases no longer than D may read."""
         self.plan = plan
         self.claim_id = claim_id
-        self.integrity = pull_mode(integrity, plan.request_id, sampled_pulls)
+        self.integrity = integrity
         self.sampled_units = sampled_units
         self._verified_units = 0
         self._unverified = False

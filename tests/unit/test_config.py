@@ -153,3 +153,14 @@ def test_a_rank_port_inside_mooncakes_range_is_refused_naming_the_setting() -> N
         config.side_channel_port_for(0, 4, 2)
     with _pytest.raises(ConfigError, match="above 65535"):
         KVP2PConfig.from_sources({"side_channel_port": 65000}, {}).side_channel_port_for(1, 600, 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 1e308, "nan", "inf", "abc", "½", [0.5]])
+def test_an_absurd_share_of_verified_pulls_is_refused_naming_the_setting(value: object) -> None:
+    with pytest.raises(ConfigError, match="integrity_sampled_pulls"):
+        KVP2PConfig.from_sources({"integrity_sampled_pulls": value}, env={})
+
+
+def test_the_share_of_verified_pulls_from_the_environment() -> None:
+    config = KVP2PConfig.from_sources({}, env={"VLLM_KVP2P_INTEGRITY_SAMPLED_PULLS": "0.5"})
+    assert config.integrity_sampled_pulls == 0.5

@@ -187,7 +187,8 @@ class KVP2PConfig:
     test_hooks: bool = setting(
         False,
         "test only: D honours `\"kvp2p_test_corrupt\": true` in a request's `kv_transfer_params` by overwriting "
-        "what it pulled",
+        "what it pulled (`\"layer:NAME\"`: only that layer's blocks; `\"in_flight\"`: one byte, before the "
+        "integrity check)",
     )
 
 

@@ -370,12 +370,15 @@ class WorkerSide:
 
         ids = torch.tensor(list(result.local_block_ids), dtype=torch.long)
         num_blocks = self.kv_cache_config.num_blocks
-        for entry in self._kv_caches.values():
+        for name, entry in self._kv_caches.items():
+            if plan.test_corrupt_layer and name != plan.test_corrupt_layer:
+                continue
             for t in _tensors_of(entry):
                 dim = list(t.shape).index(num_blocks)
                 noise = torch.randn(t.index_select(dim, ids).shape, dtype=torch.float32).to(t.dtype)
                 t.index_copy_(dim, ids, noise * 4)
-        logger.warning("TEST HOOK: corrupted %d pulled blocks of %s", len(ids), result.request_id)
+        logger.warning("TEST HOOK: corrupted %d pulled blocks of %s (%s)", len(ids), result.request_id,
+                       plan.test_corrupt_layer or "every layer")
 
     def table_sizes(self) -> dict[str, int]:
         """P's ledger and D's pull tables (whichever this worker has), e.g. ``{"holds": 0, "suspects": 0}``."""

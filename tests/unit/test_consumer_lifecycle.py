@@ -332,7 +332,13 @@ def test_stale_results_are_ignored() -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"engine_id": "other"}, "answers for engine other, the params name engine P"),
-    ({"layer_names": ["l0", "l1", "l2"]}, "P has 3 KV layers, D has 2"),
+    ({"layer_names": ["l0", "l1", "l2"]}, "KV layers: P has 3, D has 2; only P: l2 (a speculative-decoding"),
+    # D runs a draft model (MTP) P does not: P never filled that layer, D would decode from whatever it holds.
+    ({"layer_names": ["l0"]}, "KV layers: P has 1, D has 2; only D: l1 (a speculative-decoding draft model's "
+                              "layers, MTP or EAGLE, are KV layers too: start P and D with the same "
+                              "--speculative-config)"),
+    ({"layer_names": ["l1", "l0"]}, "P registers the same layers as D in another order"),
+    ({"layer_names": ["l0", "x" * 100_000]}, "only P: " + "x" * 80 + " (a"),  # bounded, whatever P sends
     ({"dtype": "bfloat16"}, "KV cache dtype: P uses bfloat16, D uses float32"),
     ({"total_num_kv_heads": 4}, "total KV heads: P has 4, D has 2"),
     ({"use_mla": True}, "MLA: P True, D False"),

@@ -41,8 +41,8 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
                 "(the same model on both, vllm_kvp2p/identity.py)")
     if reg.num_blocks <= max((b for ids in plan.remote_block_ids for b in ids), default=-1):
         return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.tp_rank}"
-    if len(reg.layer_names) != len(local.layer_names):
-        return f"P has {len(reg.layer_names)} KV layers, D has {len(local.layer_names)}"
+    if tuple(reg.layer_names) != tuple(local.layer_names):
+        return _layers_problem(reg.layer_names, local.layer_names)
     if reg.dtype != local.dtype:
         return f"KV cache dtype: P uses {reg.dtype}, D uses {local.dtype}"
     if reg.use_mla != local.use_mla:
@@ -68,6 +68,22 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
     if reg.block_size % local.block_size and local.block_size % reg.block_size:
         return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
     return ""
+
+
+def _layers_problem(p_layers: Sequence[str], d_layers: Sequence[str]) -> str:
+    """Planes are matched by position, so the layers must be the same, in the same order. A speculative-decoding
+    draft model (MTP, EAGLE) adds its attention layers to the KV cache: P fills them during its prefill and D
+    needs them, so a P without D's ``--speculative-config`` lacks layers D would otherwise decode from garbage."""
+    only_d = [n for n in d_layers if n not in set(p_layers)]
+    only_p = [n for n in p_layers if n not in set(d_layers)]
+    if not only_d and not only_p:
+        return "KV layers: P registers the same layers as D in another order"
+    text = f"KV layers: P has {len(p_layers)}, D has {len(d_layers)}"
+    for side, names in (("only D", only_d), ("only P", only_p)):
+        if names:
+            text += f"; {side}: {', '.join(n[:80] for n in names[:3])}{' ...' if len(names) > 3 else ''}"
+    return (text + " (a speculative-decoding draft model's layers, MTP or EAGLE, are KV layers too: start P and D "
+            "with the same --speculative-config)")
 
 
 def _same_address(a: str, b: str) -> bool:

@@ -50,6 +50,7 @@ class PullPlan:
     error: str = ""  # the plan is already known to fail (the worker still releases P)
     test_corrupt: bool = False  # test hook (honoured only with the test_hooks setting): corrupt what was pulled
     test_corrupt_in_flight: bool = False  # ... one byte of it, before the integrity check (as a faulty link would)
+    test_corrupt_layer: str = ""  # ... only this layer's blocks (e.g. a speculative-decoding draft layer)
     remote_token_offset: int = 0  # first token to pull, within remote_block_ids[0] (P blocks larger than D's)
     contact_p: bool = True  # False: P's address in the params is invalid; the plan fails with no network call
     failure: Failure = Failure.INCOMPATIBLE  # what kind of failure ``error`` is
@@ -166,8 +167,10 @@ class ConsumerSchedule:
         else:
             plan = self._plan(request_id, verdict, local, num_local_computed, num_local_computed + num_external_tokens)
             corrupt = params.get(TEST_CORRUPT_KEY) if isinstance(params, dict) else None
-            if corrupt:  # true: after the pull; "in_flight": before the integrity check sees it
-                plan = dataclasses.replace(plan, test_corrupt=True, test_corrupt_in_flight=corrupt == "in_flight")
+            if corrupt:  # true: after the pull; "in_flight": before the integrity check; "layer:NAME": one layer
+                layer = corrupt[len("layer:"):] if isinstance(corrupt, str) and corrupt.startswith("layer:") else ""
+                plan = dataclasses.replace(plan, test_corrupt=True, test_corrupt_in_flight=corrupt == "in_flight",
+                                           test_corrupt_layer=layer)
         # Only now: if making the plan raised, the hook's guard asks again and gets the failed plan.
         self._planned.add(request_id)
         self._pending.append(plan)

@@ -82,9 +82,36 @@ def model_dir() -> str:
     return str(_MODEL_DIR)
 
 
+_MTP_MODEL_DIR: Path | None = None
+
+
+def mtp_model_dir() -> str:
+    """A directory with a minimal DeepSeek-V3 ``config.json`` declaring one MTP layer (what vLLM's ``deepseek_mtp``
+    speculative method drafts with; written once per process)."""
+    global _MTP_MODEL_DIR
+    if _MTP_MODEL_DIR is None:
+        path = Path(tempfile.mkdtemp(prefix="kvp2p-sched-mtp-model-"))
+        config = {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+            "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 1,
+            "first_k_dense_replace": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "kv_lora_rank": 512,
+            "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+            "num_nextn_predict_layers": 1, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
+            "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False, "torch_dtype": "float32",
+        }
+        (path / "config.json").write_text(json.dumps(config))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _MTP_MODEL_DIR = path
+    return str(_MTP_MODEL_DIR)
+
+
 def make_vllm_config(
     role: str,
     *,
+    model: str | None = None,
+    speculative: dict[str, Any] | None = None,
     block_size: int = 16,
     kv_load_failure_policy: str = "fail",
     extra_config: dict[str, Any] | None = None,
@@ -93,9 +120,11 @@ def make_vllm_config(
     max_model_len: int = 2048,
     engine_id: str | None = None,
 ) -> VllmConfig:
+    """``speculative``: the ``--speculative-config`` fields (vLLM's real SpeculativeConfig is built from them)."""
+    model = model or model_dir()
     model_config = ModelConfig(
-        model=model_dir(),
-        tokenizer=model_dir(),
+        model=model,
+        tokenizer=model,
         skip_tokenizer_init=True,
         dtype="float32",
         seed=0,
@@ -118,8 +147,15 @@ def make_vllm_config(
         kv_connector_extra_config={"host": "127.0.0.1", **(extra_config or {})},
         **({"engine_id": engine_id} if engine_id else {}),
     )
+    speculative_config = None
+    if speculative is not None:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        speculative_config = SpeculativeConfig(**speculative, target_model_config=model_config,
+                                               target_parallel_config=ParallelConfig())
     return VllmConfig(
         model_config=model_config,
+        speculative_config=speculative_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         kv_transfer_config=kv_transfer_config,

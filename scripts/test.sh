@@ -3,8 +3,8 @@
 # Real vLLM engines, real Mooncake engines (TCP) and real ZMQ, all on 127.0.0.1.
 #
 #   1. vLLM 0.32 (newest CPU build): scripts/setup.sh makes .venv, then the suite runs from this tree.
-#   2. vLLM 0.23 (what vllm-ascend 0.23.0.post1 runs): scripts/setup_vllm023.sh makes its own venv once per machine
-#      and builds this package against its torch in a copy of the tree (build/vllm023/src), where the suite runs.
+#   2. vLLM 0.23 (what vllm-ascend 0.23.0.post1 runs): scripts/setup_vllm_release.sh 0.23.0 makes its own venv once
+#      per machine and builds this package against its torch in a copy of the tree (build/vllm-0.23.0/src), where the suite runs.
 #
 # Both runs use scripts/run_suite.sh, the same pytest invocation the Ascend workflow uses. Which tests each vLLM
 # runs is the rule in tests/conftest.py: vLLM 0.32 runs the pure unit tests (vLLM and Mooncake made unimportable:
@@ -41,10 +41,10 @@ for version in $VERSIONS; do
       fi
       ;;
     0.23)
-      PY023=$(bash scripts/setup_vllm023.sh | tail -n 1) || exit 1
-      echo "[test] ===== vLLM 0.23 ($PY023, tree copy build/vllm023/src) ====="
+      PY023=$(bash scripts/setup_vllm_release.sh 0.23.0 | tail -n 1) || exit 1
+      echo "[test] ===== vLLM 0.23 ($PY023, tree copy build/vllm-0.23.0/src) ====="
       mode=contract; [ $# -eq 0 ] || mode=""
-      (cd build/vllm023/src && KVP2P_TESTS=$mode bash scripts/run_suite.sh "$PY023" "$@") 2>&1 \
+      (cd build/vllm-0.23.0/src && KVP2P_TESTS=$mode bash scripts/run_suite.sh "$PY023" "$@") 2>&1 \
         | tee "$logs/vllm-$version.log"
       rc=${PIPESTATUS[0]}
       ;;

@@ -242,23 +242,31 @@ def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------- KV allocation route
 
-#: Where a vLLM without ``get_mem_pool_context`` allocates the KV cache: the CPU model runner inherits it.
+#: Where a vLLM without ``get_mem_pool_context`` allocates the KV cache (the CPU model runner inherits it): 0.23 to
+#: 0.28 in a runner method, 0.29 and 0.30 in a module function the runner module imports by name; 0.31 on asks
+#: the connector for a memory pool.
 ALLOCATION_ROUTE = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_allocate_kv_cache_tensors")
+ALLOCATION_FUNCTION_ROUTE = ("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache")
 
 
 def install_kv_allocation_route() -> str:
     """Make sure this worker's KV cache is allocated inside the connector's arena scope; returns how, for the
-    start-up log: "get_mem_pool_context" (vLLM calls it), "wrapped <Class.method>" (0.23: the allocation method
-    is wrapped, as the vllm-ascend hook does on NPU) or "none (...)" (per-tensor registration follows)."""
+    start-up log: "get_mem_pool_context" (vLLM calls it), "wrapped <Class.method>" or "wrapped <module.function>"
+    (the allocation is wrapped, as the vllm-ascend hook does on NPU) or "none (...)" (per-tensor registration
+    follows). Which one is found from vLLM's code, not its version number."""
     if HAS_MEM_POOL_HOOK:
         return "get_mem_pool_context"
     import importlib
 
-    from vllm_kvp2p.platform.alloc_hook import wrap_allocation_method
+    from vllm_kvp2p.platform.alloc_hook import wrap_allocation_function, wrap_allocation_method
 
     module_name, class_name, method_name = ALLOCATION_ROUTE
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         return f"none ({module_name} not importable: {exc})"
-    return wrap_allocation_method(module, class_name, method_name, size_of=None)
+    route = wrap_allocation_method(module, class_name, method_name, size_of=None)
+    if not route.startswith("none"):
+        return route
+    function_route = wrap_allocation_function(module, ALLOCATION_FUNCTION_ROUTE[1])
+    return function_route if not function_route.startswith("none") else f"{route[:-1]}; {function_route[6:]}"

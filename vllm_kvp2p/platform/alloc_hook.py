@@ -1,9 +1,11 @@
 """Run a model runner's KV-cache allocation method inside the active MooncakeP2PConnector's arena scope.
 
-Two workers allocate their KV cache without ever calling the connector's ``get_mem_pool_context()``: vllm-ascend's
-``NPUModelRunner`` (platform/ascend_hook.py) and vLLM 0.23's ``GPUModelRunner``, which its CPU runner inherits
-(vllm_kvp2p/compat.py). Both allocate every KV tensor in ``_allocate_kv_cache_tensors(self, kv_cache_config)``,
-after the connector exists, so wrapping that one method gives the arena the whole KV cache.
+Several workers allocate their KV cache without ever calling the connector's ``get_mem_pool_context()``:
+vllm-ascend's ``NPUModelRunner`` (platform/ascend_hook.py) and vLLM 0.23 to 0.28's ``GPUModelRunner``, which the
+CPU runner inherits (vllm_kvp2p/compat.py), allocate every KV tensor in ``_allocate_kv_cache_tensors(self,
+kv_cache_config)``; vLLM 0.29 and 0.30 moved that into a module function, ``allocate_kv_cache(kv_cache_config,
+...)``, which the runner module imports by name. Either runs after the connector exists, so wrapping that one
+method or that one name gives the arena the whole KV cache.
 
 The wrap is guarded by the method's signature, not a version list: when it is not there in the expected form,
 nothing is changed and the caller is told why (the connector then registers vLLM's tensors one by one, merged
@@ -44,6 +46,33 @@ def wrap_allocation_method(module: ModuleType, class_name: str, method_name: str
     if params != EXPECTED_PARAMS:
         return f"none ({where} takes {params}, expected {EXPECTED_PARAMS})"
     setattr(cls, method_name, _wrap(method, size_of))
+    return f"wrapped {where}"
+
+
+def wrap_allocation_function(module: ModuleType, function_name: str) -> str:
+    """Wrap the module-level function ``module.function_name``, whose first parameter is the KVCacheConfig, where
+    ``module`` looks it up (the caller's module, which imported it by name); returns what happened, as
+    :func:`wrap_allocation_method` does. The arena is sized by the connector from vLLM's own KVCacheConfig."""
+    function = getattr(module, function_name, None)
+    where = f"{module.__name__.rpartition('.')[2]}.{function_name}"
+    if function is None or not callable(function):
+        return f"none ({module.__name__} has no {function_name})"
+    if is_wrapped(function):
+        return f"wrapped {where}"
+    params = param_names(function)
+    if params[:1] != ("kv_cache_config",):
+        return f"none ({where} takes {params}, expected kv_cache_config first)"
+
+    @functools.wraps(function)
+    def allocate_in_arena(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        scope = connector_arena_scope(kv_cache_config, None)
+        if scope is None:
+            return function(kv_cache_config, *args, **kwargs)
+        with scope:
+            return function(kv_cache_config, *args, **kwargs)
+
+    setattr(allocate_in_arena, _WRAPPED_FLAG, True)
+    setattr(module, function_name, allocate_in_arena)
     return f"wrapped {where}"
 
 

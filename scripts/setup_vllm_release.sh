@@ -84,7 +84,7 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             continue
         print(req)
 EOF
-  "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$wheels/constraints.txt"
+  echo "torch==$TORCH_VERSION" > "$wheels/constraints.txt"  # matches its local build (+cpu, +cu130) too
   "${PIP[@]}" install -r "$wheels/requirements.txt" -c "$wheels/constraints.txt"
   "${PIP[@]}" install --no-deps "$whl"
   # As in scripts/setup.sh: companions built for another torch break `import vllm` and only serve multimodal models.

@@ -1,7 +1,8 @@
 """The one place that knows which vLLM versions exist and how their connector contracts differ.
 
-Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: 0.23.x and 0.32.x
-(docs/compatibility.md). Nothing else in the package compares versions or probes vLLM for optional parts: it asks
+Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: the releases in
+:data:`TESTED_RELEASES` (docs/compatibility.md).
+Nothing else in the package compares versions or probes vLLM for optional parts: it asks
 this module. Where the contract differs, the difference is detected from vLLM's own classes (a method or field is
 there or not), not from the version number, so a patched or back-ported vLLM still gets the right path; the
 version number only decides whether to start at all and whether to warn.
@@ -32,8 +33,10 @@ logger = get_logger(__name__)
 
 #: Oldest vLLM the connector starts on; older ones are refused unless ALLOW_UNSUPPORTED_SETTING is set.
 MIN_SUPPORTED = (0, 23)
-#: Release series the test suite runs on (CI runs both).
-TESTED_SERIES = ((0, 23), (0, 32))
+#: Releases with a recorded pass: CI runs the whole suite on 0.23.0 and 0.32.0; scripts/check_vllm_releases.sh
+#: ran the contract tests and a real P/D pair on the others (docs/vllm_releases.json, whose passing entries
+#: tests/scheduler/test_vllm_support.py holds this set to).
+TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({(0, 23, 0), (0, 32, 0)})
 #: The environment variable that lets an older vLLM start anyway. Environment only: the check runs when the
 #: connector module is imported, before vLLM hands it the kv_connector_extra_config.
 ALLOW_UNSUPPORTED_SETTING = "VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM"
@@ -81,7 +84,7 @@ def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVer
     except ValueError:
         parsed = (0, 0, 0)
     series = parsed[:2]
-    tested_names = " and ".join(f"{a}.{b}.x" for a, b in TESTED_SERIES)
+    tested_names = tested_releases_text()
     supported_range = f"vLLM >= {MIN_SUPPORTED[0]}.{MIN_SUPPORTED[1]}"
     if series < MIN_SUPPORTED:
         if allow_unsupported:
@@ -94,12 +97,21 @@ def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVer
             f"installed. Install a supported vLLM (docs/compatibility.md), or set {ALLOW_UNSUPPORTED_SETTING}=1 "
             "to start anyway."
         ))
-    if series in TESTED_SERIES:
+    if parsed in TESTED_RELEASES:
         return SupportVerdict(version, True, True, f"vLLM {version}: a tested version")
     return SupportVerdict(version, True, False, (
         f"vLLM {version} is untested with MooncakeP2PConnector (tested: {tested_names}); starting anyway. "
         "Report problems with the vLLM version."
     ))
+
+
+def tested_releases_text() -> str:
+    """``0.23.0 to 0.32.0`` when every release between two is tested (by minor series), else a list."""
+    names = [".".join(map(str, v)) for v in sorted(TESTED_RELEASES)]
+    minors = sorted({v[1] for v in TESTED_RELEASES})
+    if len(names) > 2 and minors == list(range(minors[0], minors[-1] + 1)):
+        return f"{names[0]} to {names[-1]}, every release"
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
 _checked = threading.Event()

@@ -1,16 +1,19 @@
 """Which vLLM versions the connector starts on (vllm_kvp2p/compat.py), against vLLM's real Scheduler creating it.
 
 Older than 0.23: refused at start-up with a message naming the supported range and the override setting (and the
-override works); 0.23.x and 0.32.x: start quietly; anything else from 0.23 on: starts with one warning.
+override works); a tested release (compat.TESTED_RELEASES) starts quietly; anything else from 0.23 on starts with one
+warning naming the tested releases.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import vllm
@@ -22,7 +25,7 @@ from vllm_kvp2p import compat
 @pytest.mark.parametrize(
     ("version", "supported", "tested"),
     [
-        ("0.22.1", False, False), ("0.11.0", False, False), ("0.23.0", True, True), ("0.23.1rc1", True, True),
+        ("0.22.1", False, False), ("0.11.0", False, False), ("0.23.0", True, True), ("0.23.1rc1", True, False),
         ("0.32.0", True, True), ("0.32.0+cpu", True, True), ("0.28.2", True, False), ("0.33.0", True, False),
         ("1.0.0", True, False), ("garbage", False, False),
     ],
@@ -78,12 +81,22 @@ def test_untested_newer_vllm_starts_with_one_warning(
     assert len(untested) == 1, [r.getMessage() for r in caplog.records]
 
 
-def test_tested_vllm_starts_without_a_warning(fresh_warning: None, caplog: pytest.LogCaptureFixture) -> None:
-    assert compat.support_verdict(vllm.__version__).tested  # the suite runs only on tested versions
+def test_the_running_vllm_warns_exactly_when_untested(fresh_warning: None, caplog: pytest.LogCaptureFixture) -> None:
+    """CI's two releases are tested ones (no warning); a release being checked for the first time by
+    scripts/check_vllm_releases.sh is not yet, and says so once."""
+    tested = compat.support_verdict(vllm.__version__).tested
     with caplog.at_level(logging.WARNING):
         _producer_scheduler()
-    assert not [r for r in caplog.records if "MooncakeP2PConnector" in r.getMessage() and "vLLM" in r.getMessage()
-                and "untested" in r.getMessage()]
+    warnings = [r for r in caplog.records if "untested with MooncakeP2PConnector" in r.getMessage()]
+    assert len(warnings) == (0 if tested else 1), [r.getMessage() for r in warnings]
+
+
+def test_tested_releases_are_ci_s_and_the_recorded_passes() -> None:
+    """compat.TESTED_RELEASES is exactly CI's two releases plus every release scripts/check_vllm_releases.sh
+    recorded as passing in docs/vllm_releases.json (no more: a failed or missing record is untested)."""
+    record = json.loads((Path(__file__).parents[2] / "docs" / "vllm_releases.json").read_text())
+    passed = {compat.parse_version(v) for v, r in record.items() if r["exit"] == 0 and r["failed"] == 0}
+    assert compat.TESTED_RELEASES == {(0, 23, 0), (0, 32, 0)} | passed
 
 
 def test_an_old_vllm_gets_the_message_not_an_import_error() -> None:

@@ -401,3 +401,66 @@ def test_vllm_023_allocation_route_lands_in_one_arena(monkeypatch: pytest.Monkey
 
     plain = original(runner, config)  # the unwrapped method: vLLM's own allocator, outside the arena
     assert not any(_in(arena, t) for t in plain.values())
+
+
+def test_vllm_029_030_allocation_function_route_lands_in_one_arena(monkeypatch: pytest.MonkeyPatch):
+    """vLLM 0.29 and 0.30: no get_mem_pool_context and no runner method; the runner module calls the module
+    function ``allocate_kv_cache(kv_cache_config, device, layout, ...)`` it imported by name. Wrapped where the
+    runner looks it up (alloc_hook.wrap_allocation_function), what it allocates lands in the connector's arena; the
+    unwrapped function's does not. Here on a runner module of the same shape (the function's body differs per
+    release and is vLLM's own); the releases themselves run it end to end (scripts/check_vllm_releases.sh,
+    tests/e2e/test_vllm_versions.py)."""
+    pytest.importorskip("vllm")
+    from types import ModuleType
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from vllm_kvp2p.platform.alloc_hook import is_wrapped, wrap_allocation_function
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    config = SimpleNamespace(num_blocks=32, layer_bytes=64 * 1024)
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):  # 0.30's signature
+        buf = torch.zeros(kv_cache_config.layer_bytes * len(names), dtype=torch.int8, device=device)
+        return dict(zip(names, buf.view(len(names), -1)))
+
+    runner_module = ModuleType("vllm.v1.worker.gpu_model_runner_0_30")
+    runner_module.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
+    route = "wrapped gpu_model_runner_0_30.allocate_kv_cache"
+    assert wrap_allocation_function(runner_module, "allocate_kv_cache") == route
+    assert wrap_allocation_function(runner_module, "allocate_kv_cache") == route  # idempotent: wrapped once
+    wrapped = runner_module.allocate_kv_cache
+    assert is_wrapped(wrapped) and inspect.unwrap(wrapped) is allocate_kv_cache
+
+    class Connector:  # what the wrapper asks of the active connector (MooncakeP2PConnector.kvp2p_arena_context)
+        arena: KvArena | None = None
+
+        def kvp2p_arena_context(self, size_bytes):
+            assert size_bytes is None  # sized by the connector from its own KVCacheConfig
+            self.arena = KvArena(4 * config.layer_bytes + REGION_ALIGN)
+            return self.arena.scope()
+
+    connector = Connector()
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    kv = wrapped(config, torch.device("cpu"), "NHD", kernel_block_sizes=[16])
+    arena = connector.arena
+    assert arena is not None and list(kv) == names
+    assert all(_in(arena, t) for t in kv.values())
+    plain = allocate_kv_cache(config, torch.device("cpu"), "NHD")
+    assert not any(_in(arena, t) for t in plain.values())
+
+
+def test_the_allocation_function_route_refuses_another_signature() -> None:
+    from types import ModuleType
+
+    from vllm_kvp2p.platform.alloc_hook import wrap_allocation_function
+
+    module = ModuleType("vllm.v1.worker.fake_runner")
+
+    def allocate_kv_cache(config, device):  # not the parameter name the wrapper passes on
+        return {}
+
+    module.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
+    assert wrap_allocation_function(module, "allocate_kv_cache").startswith("none (fake_runner.allocate_kv_cache takes")
+    assert module.allocate_kv_cache is allocate_kv_cache
+    assert wrap_allocation_function(module, "missing") == "none (vllm.v1.worker.fake_runner has no missing)"

@@ -14,6 +14,7 @@ where they touch, with the platform's region limit checked up front).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -38,13 +39,10 @@ def wrap_allocation_method(module: ModuleType, class_name: str, method_name: str
     cls = getattr(module, class_name, None)
     method = getattr(cls, method_name, None) if cls is not None else None
     where = f"{class_name}.{method_name}"
-    if method is None or not callable(method):
-        return f"none ({module.__name__} has no {where})"
-    if is_wrapped(method):
-        return f"wrapped {where}"
-    params = param_names(method)
-    if params != EXPECTED_PARAMS:
-        return f"none ({where} takes {params}, expected {EXPECTED_PARAMS})"
+    found = _found(method, where, f"{module.__name__} has no {where}", lambda p: p == EXPECTED_PARAMS,
+                   str(EXPECTED_PARAMS))
+    if found is not None:
+        return found
     setattr(cls, method_name, _wrap(method, size_of))
     return f"wrapped {where}"
 
@@ -55,25 +53,35 @@ def wrap_allocation_function(module: ModuleType, function_name: str) -> str:
     :func:`wrap_allocation_method` does. The arena is sized by the connector from vLLM's own KVCacheConfig."""
     function = getattr(module, function_name, None)
     where = f"{module.__name__.rpartition('.')[2]}.{function_name}"
-    if function is None or not callable(function):
-        return f"none ({module.__name__} has no {function_name})"
-    if is_wrapped(function):
-        return f"wrapped {where}"
-    params = param_names(function)
-    if params[:1] != ("kv_cache_config",):
-        return f"none ({where} takes {params}, expected kv_cache_config first)"
+    found = _found(function, where, f"{module.__name__} has no {function_name}",
+                   lambda p: p[:1] == ("kv_cache_config",), "kv_cache_config first")
+    if found is not None:
+        return found
 
     @functools.wraps(function)
     def allocate_in_arena(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
-        scope = connector_arena_scope(kv_cache_config, None)
-        if scope is None:
-            return function(kv_cache_config, *args, **kwargs)
-        with scope:
+        with _arena_scope(kv_cache_config, None):
             return function(kv_cache_config, *args, **kwargs)
 
     setattr(allocate_in_arena, _WRAPPED_FLAG, True)
     setattr(module, function_name, allocate_in_arena)
     return f"wrapped {where}"
+
+
+def _found(target: Any, where: str, missing: str, params_ok: Callable[[tuple[str, ...]], bool],
+           expected: str) -> str | None:
+    """What to report instead of wrapping ``target`` (None: wrap it): missing, already wrapped, or another
+    signature than the one the wrapper passes on."""
+    if target is None or not callable(target):
+        return f"none ({missing})"
+    if is_wrapped(target):
+        return f"wrapped {where}"
+    params = param_names(target)
+    return None if params_ok(params) else f"none ({where} takes {params}, expected {expected})"
+
+
+def _arena_scope(kv_cache_config: Any, size_of: SizeOf | None) -> AbstractContextManager[Any]:
+    return connector_arena_scope(kv_cache_config, size_of) or contextlib.nullcontext()
 
 
 def is_wrapped(method: Any) -> bool:
@@ -83,10 +91,7 @@ def is_wrapped(method: Any) -> bool:
 def _wrap(original: Callable[[Any, Any], Any], size_of: SizeOf | None) -> Callable[[Any, Any], Any]:
     @functools.wraps(original)
     def allocate_in_arena(self: Any, kv_cache_config: Any) -> Any:
-        scope = connector_arena_scope(kv_cache_config, size_of)
-        if scope is None:
-            return original(self, kv_cache_config)
-        with scope:
+        with _arena_scope(kv_cache_config, size_of):
             return original(self, kv_cache_config)
 
     setattr(allocate_in_arena, _WRAPPED_FLAG, True)

@@ -1,12 +1,34 @@
-"""docs/compatibility.md's per-release table is the one the records make (scripts/vllm_releases_table.py)."""
+"""The record of release checks (docs/vllm_releases.json), what the code calls tested, and the doc's table agree.
+
+Pure: compat.TESTED_RELEASES is read from the source (compat imports vLLM), so this runs without any vLLM, and not in
+the release checks themselves (scripts/check_vllm_releases.sh), which record before the set is updated."""
 
 from __future__ import annotations
 
+import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_releases_table.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "vllm_releases_table.py"
+
+
+def _tested_releases_in_source() -> set[tuple[int, int, int]]:
+    tree = ast.parse((ROOT / "vllm_kvp2p" / "compat.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "TESTED_RELEASES":
+            return set(ast.literal_eval(node.value.args[0]))  # frozenset({...})
+    raise AssertionError("compat.TESTED_RELEASES not found")
+
+
+def test_tested_releases_are_ci_s_and_the_recorded_passes() -> None:
+    """compat.TESTED_RELEASES is exactly CI's two releases plus every release scripts/check_vllm_releases.sh
+    recorded as passing (no more: a failed or missing record is untested)."""
+    record = json.loads((ROOT / "docs" / "vllm_releases.json").read_text())
+    passed = {tuple(int(x) for x in v.split(".")) for v, r in record.items() if r["exit"] == 0 and r["failed"] == 0}
+    assert _tested_releases_in_source() == {(0, 23, 0), (0, 32, 0)} | passed
 
 
 def test_the_doc_table_is_made_from_the_records() -> None:

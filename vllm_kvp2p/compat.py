@@ -36,7 +36,9 @@ MIN_SUPPORTED = (0, 23)
 #: Releases with a recorded pass: CI runs the whole suite on 0.23.0 and 0.32.0; scripts/check_vllm_releases.sh
 #: ran the contract tests and a real P/D pair on the others (docs/vllm_releases.json, whose passing entries
 #: tests/unit/test_vllm_releases_table.py holds this set to).
-TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({(0, 23, 0), (0, 25, 1), (0, 32, 0)})
+TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({
+    (0, 23, 0), (0, 25, 1), (0, 30, 0), (0, 31, 0), (0, 32, 0),
+})
 #: The environment variable that lets an older vLLM start anyway. Environment only: the check runs when the
 #: connector module is imported, before vLLM hands it the kv_connector_extra_config.
 ALLOW_UNSUPPORTED_SETTING = "VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM"

@@ -37,7 +37,8 @@ MIN_SUPPORTED = (0, 23)
 #: ran the contract tests and a real P/D pair on the others (docs/vllm_releases.json, whose passing entries
 #: tests/unit/test_vllm_releases_table.py holds this set to).
 TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({
-    (0, 23, 0), (0, 25, 1), (0, 30, 0), (0, 31, 0), (0, 32, 0),
+    (0, 23, 0), (0, 24, 0), (0, 25, 0), (0, 25, 1), (0, 26, 0), (0, 27, 0), (0, 27, 1), (0, 28, 0), (0, 29, 0),
+    (0, 30, 0), (0, 31, 0), (0, 32, 0),
 })
 #: The environment variable that lets an older vLLM start anyway. Environment only: the check runs when the
 #: connector module is imported, before vLLM hands it the kv_connector_extra_config.

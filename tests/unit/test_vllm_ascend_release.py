@@ -1,6 +1,7 @@
-"""``platform/ascend_hook.py`` checked against vllm-ascend 0.23.0.post1 as released, not against a stand-in.
+"""``platform/ascend_hook.py`` checked against vllm-ascend 0.23.0.post1 and 0.30.0rc2 as released, not against a
+stand-in.
 
-The release's sdist is fetched once with pip (the registry has no wheel for this version) and cached under
+Each release's sdist is fetched once with pip (the registry has no wheel for either version) and cached under
 ``~/.cache/vllm-kvp2p/vllm-ascend/`` (``$VLLM_KVP2P_CACHE_DIR`` overrides ``~/.cache/vllm-kvp2p``); its sha256 is
 pinned, so every run reads the same bytes. vllm-ascend cannot be imported without CANN and torch-npu, so its
 modules are only READ here, with :mod:`ast`, straight out of the tarball. Where running the code says more than
@@ -10,18 +11,26 @@ into a namespace whose globals are stand-ins (a recording ``torch``, spec classe
 ``patch_module`` then wraps that real method and the allocations it makes are measured against
 ``ascend_arena_size``.
 
+The ``release`` fixture runs the checks both releases share for each (line numbers per release in ``AT``); those
+that only one release's code supports take ``release_023`` here, or live in test_vllm_ascend_release_030.py, which
+also checks what 0.30.0rc2 changed: vLLM 0.30's KVCacheTensor layout (the arena budget), the sleep-mode
+``kv_cache_allocation_context`` and the opt-in v2 model runner.
+
 What the hook assumes, and where the release says so (line numbers are asserted, so a different file fails):
 
 * (a) ``vllm_ascend.worker.model_runner_v1.NPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)``;
 * (b) it allocates every piece (K, V; MLA nope/rope; sparse indexer K [+ scale]) as ONE ``torch.zeros`` of
   ``size + alignment`` with ``alignment = 2 * 1024 * 1024`` when a KV connector is configured, at most
-  ``_PIECES_PER_TENSOR`` (3) pieces per KVCacheTensor, pieces adding up to at most the tensor's size;
+  ``_PIECES_PER_TENSOR`` (3) pieces per KVCacheTensor, pieces adding up to at most the tensor's size (0.23.0.post1
+  on vLLM 0.23; 0.30.0rc2 on vLLM 0.30's descriptors: at most ``_PIECES_PER_LAYER`` (2) per layer of
+  ``num_blocks x`` its page, or one shared backing -- test_vllm_ascend_release_030.py);
 * (c) ``NPUWorker.initialize_from_config`` creates the connector (``ensure_kv_transfer_initialized``) before it
   reaches that method, so the connector's arena scope exists when allocation runs;
 * (d) nothing in vllm-ascend calls ``get_mem_pool_context`` (why the hook exists at all);
 * (e) the plugin is ``vllm.platform_plugins: ascend = vllm_ascend:register``.
 
-One contradiction found this way is now budgeted for (``test_mixed_attention_and_cache_only_tensor_...``).
+One contradiction found this way is now budgeted for (``test_mixed_attention_and_cache_only_tensor_...``), and
+one break of (b) by 0.30.0rc2 on vLLM 0.30 (``test_the_0_23_budget_does_not_fit_vllm_0_30_descriptors``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import ast
 import builtins
 import configparser
 import copy
+import functools
 import hashlib
 import inspect
 import math
@@ -50,11 +60,14 @@ import pytest
 
 from vllm_kvp2p.platform import ascend_hook
 
-VERSION = "0.23.0.post1"
-SDIST = f"vllm_ascend-{VERSION}.tar.gz"
-#: sha256 of the sdist as PyPI lists it (pip checks it with --require-hashes; the cached copy is re-checked).
-SDIST_SHA256 = "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1"
-ROOT = f"vllm_ascend-{VERSION}/"  # every member of the tarball lies under this folder
+#: The releases checked -> sha256 of the sdist as PyPI lists it (pip checks it with --require-hashes; the cached
+#: copy is re-checked).
+RELEASES = {
+    "0.23.0.post1": "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1",
+    "0.30.0rc2": "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f",
+}
+V023, V030 = RELEASES
+VERSION = V023  # the release pyproject.toml's [ascend] extra pins
 
 MODEL_RUNNER = "vllm_ascend/worker/model_runner_v1.py"
 WORKER = "vllm_ascend/worker/worker.py"
@@ -93,7 +106,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _run_pip(python: str, args: list[str], *, env: dict[str, str] | None = None) -> None:
+def _run_pip(python: str, args: list[str], *, env: dict[str, str] | None = None, what: str = "vllm-ascend") -> None:
     """``python -m pip ARGS``; skips the module when the registry is unreachable, fails on anything else."""
     proc = subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True, timeout=900,
                           env={**os.environ, **(env or {})})
@@ -101,7 +114,7 @@ def _run_pip(python: str, args: list[str], *, env: dict[str, str] | None = None)
         return
     out = proc.stdout + proc.stderr
     if any(marker in out for marker in _OFFLINE_MARKERS):
-        pytest.skip(f"package registry unreachable, cannot fetch vllm-ascend {VERSION}: pip {' '.join(args[:2])} "
+        pytest.skip(f"package registry unreachable, cannot fetch {what}: pip {' '.join(args[:2])} "
                     f"said: {out.strip().splitlines()[-1]}")
     pytest.fail(f"pip {' '.join(args)} failed (rc={proc.returncode}):\n{out[-4000:]}")
 
@@ -126,23 +139,24 @@ def _pip_python_with_scm(cache: Path) -> str:
     return str(python)
 
 
-def _fetch_sdist() -> Path:
+def _fetch_sdist(version: str) -> Path:
     cache = _cache_dir()
-    target = cache / SDIST
-    if target.is_file() and _sha256(target) == SDIST_SHA256:
+    sdist, sha256 = f"vllm_ascend-{version}.tar.gz", RELEASES[version]
+    target = cache / sdist
+    if target.is_file() and _sha256(target) == sha256:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     python = _pip_python_with_scm(cache)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         req = Path(tmp) / "req.txt"
-        req.write_text(f"vllm-ascend=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
+        req.write_text(f"vllm-ascend=={version} --hash=sha256:{sha256}\n")
         _run_pip(python, ["download", "--no-deps", "--no-build-isolation", "--no-binary", "vllm-ascend",
                           "--require-hashes", "-r", str(req), "-d", tmp],
                  # setup.py stops without SOC_VERSION when npu-smi is absent; it only picks the chip to build for.
-                 env={"SOC_VERSION": "ascend910b1"})
-        got = Path(tmp) / SDIST
-        assert got.is_file(), f"pip download left no {SDIST} in {tmp}: {os.listdir(tmp)}"
-        assert _sha256(got) == SDIST_SHA256
+                 env={"SOC_VERSION": "ascend910b1"}, what=f"vllm-ascend {version}")
+        got = Path(tmp) / sdist
+        assert got.is_file(), f"pip download left no {sdist} in {tmp}: {os.listdir(tmp)}"
+        assert _sha256(got) == sha256
         os.replace(got, target)  # atomic: a concurrent run sees either nothing or the whole file
     return target
 
@@ -150,15 +164,16 @@ def _fetch_sdist() -> Path:
 class Release:
     """Text and syntax trees of the released files, read from the tarball (never extracted, never imported)."""
 
-    def __init__(self, sdist: Path) -> None:
-        self.sdist = sdist
+    def __init__(self, sdist: Path, version: str) -> None:
+        self.sdist, self.version = sdist, version
         self._text: dict[str, str] = {}
         self._trees: dict[str, ast.Module] = {}
+        root = f"vllm_ascend-{version}/"  # every member of the tarball lies under this folder
         with tarfile.open(sdist, "r:gz") as tar:
             for member in tar.getmembers():
-                if not member.isfile() or not member.name.startswith(ROOT):
+                if not member.isfile() or not member.name.startswith(root):
                     continue
-                rel = member.name[len(ROOT):]
+                rel = member.name[len(root):]
                 if rel.endswith((".py", ".md", ".txt", ".toml", ".cfg")) or rel in ("PKG-INFO", "Dockerfile"):
                     f = tar.extractfile(member)
                     assert f is not None
@@ -180,9 +195,46 @@ class Release:
         return sorted(p for p in self._text if p.startswith(prefix) and p.endswith(suffix))
 
 
+@functools.cache
+def load_release(version: str) -> Release:
+    """One read of each release per test session (test_vllm_ascend_release_030.py shares it)."""
+    return Release(_fetch_sdist(version), version)
+
+
+@pytest.fixture(scope="module", params=list(RELEASES))
+def release(request: pytest.FixtureRequest) -> Release:
+    """Each release in turn, for the checks both share."""
+    return load_release(request.param)
+
+
 @pytest.fixture(scope="module")
-def release() -> Release:
-    return Release(_fetch_sdist())
+def release_023() -> Release:
+    """0.23.0.post1 alone, for the checks of code only it has (0.30.0rc2's: test_vllm_ascend_release_030.py)."""
+    return load_release(V023)
+
+
+#: Where each release puts what the hook relies on (file:line; asserted, so a different file fails).
+AT = {
+    V023: SimpleNamespace(
+        runner_class=268, method=4082, alignment=4101, padded=[4020, 4129, 4142], unpadded=[4018, 4126, 4137],
+        realigned={4130: "tensor = self._align_memory(tensor, alignment)[: kv_cache_tensor.size]",
+                   4143: "tensor = self._align_memory(tensor, alignment)[: kv_cache_tensor.size]",
+                   4025: "return self._align_memory(raw_tensor, alignment)[:numel]"},
+        helper_calls=[4249, 4254, 4266, 4273], c8_int8_call=4065, mem_pool_probe=910, setup=512, register=38,
+        overrides={"vllm_ascend/_310p/model_runner_310p.py:NPUModelRunner310"},
+    ),
+    V030: SimpleNamespace(
+        runner_class=364, method=4946, alignment=4968, padded=[4884, 5187, 5198], unpadded=[4882, 5184, 5193],
+        realigned={5188: "tensor = self._align_memory(tensor, alignment)[: layer_size]",
+                   5199: "tensor = self._align_memory(tensor, alignment)[: kv_cache_tensor.size]",
+                   4889: "return self._align_memory(raw_tensor, alignment)[:numel]"},
+        helper_calls=[4975, 5041, 5093, 5133, 5234, 5242, 5308, 5314], c8_int8_call=4929, mem_pool_probe=1195,
+        setup=472, register=72,
+        # The 310P v2 runner's override also takes shared_layers; neither is a 910B path.
+        overrides={"vllm_ascend/_310p/model_runner_310p.py:NPUModelRunner310",
+                   "vllm_ascend/_310p/worker/v2/model_runner.py:NPUModelRunner310V2"},
+    ),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,16 +382,17 @@ def _elif_chain(node: ast.If) -> list[tuple[ast.expr, list[ast.stmt]]]:
 def test_the_release_is_the_pinned_one(release: Release) -> None:
     pkg = release.text("PKG-INFO")
     assert re.search(r"^Name: vllm_ascend$", pkg, re.M)
-    assert re.search(rf"^Version: {re.escape(VERSION)}$", pkg, re.M)
-    assert _sha256(release.sdist) == SDIST_SHA256
+    assert re.search(rf"^Version: {re.escape(release.version)}$", pkg, re.M)
+    assert _sha256(release.sdist) == RELEASES[release.version]
 
 
 def test_npu_model_runner_has_the_method_the_hook_wraps(release: Release) -> None:
+    at = AT[release.version]
     assert ascend_hook.TARGET_MODULE.replace(".", "/") + ".py" == MODEL_RUNNER
     cls = _class(release.tree(MODEL_RUNNER), ascend_hook.TARGET_CLASS)
-    assert cls.lineno == 268, f"{MODEL_RUNNER}:{cls.lineno}"
+    assert cls.lineno == at.runner_class, f"{MODEL_RUNNER}:{cls.lineno}"
     fn = _method(cls, ascend_hook.TARGET_METHOD)
-    assert fn.lineno == 4082, f"{MODEL_RUNNER}:{fn.lineno}"
+    assert fn.lineno == at.method, f"{MODEL_RUNNER}:{fn.lineno}"
     assert _param_names(fn) == ascend_hook.EXPECTED_PARAMS, f"{MODEL_RUNNER}:{fn.lineno} takes {_param_names(fn)}"
     assert fn.args.defaults == [] and fn.args.kw_defaults == []
     # A plain method: the wrapper passes (self, kv_cache_config) through, so no staticmethod/classmethod/property.
@@ -347,19 +400,20 @@ def test_npu_model_runner_has_the_method_the_hook_wraps(release: Release) -> Non
 
 
 def test_the_only_override_of_the_method_is_the_310p_runner(release: Release) -> None:
-    """Subclasses that override the method escape the wrap on NPUModelRunner. In this release only the Atlas
-    300I (310P) runner does -- not a 910B path, but the hook does not cover it."""
+    """Subclasses that override the method escape the wrap on NPUModelRunner. Only the Atlas 300I (310P) runners
+    do (0.30.0rc2 adds the 310P v2 runner's) -- not a 910B path, but the hook does not cover them."""
     overriding = set()
     for rel in release.files("vllm_ascend/", ".py"):
         for cls in (n for n in ast.walk(release.tree(rel)) if isinstance(n, ast.ClassDef)):
             if any(isinstance(n, ast.FunctionDef) and n.name == ascend_hook.TARGET_METHOD for n in cls.body):
                 overriding.add(f"{rel}:{cls.name}")
-    assert overriding == {f"{MODEL_RUNNER}:NPUModelRunner", "vllm_ascend/_310p/model_runner_310p.py:NPUModelRunner310"}
+    assert overriding == {f"{MODEL_RUNNER}:NPUModelRunner", *AT[release.version].overrides}
 
 
-def test_v2_model_runner_is_not_used_with_vllm_0_23(release: Release) -> None:
+def test_v2_model_runner_is_not_used_with_vllm_0_23(release_023: Release) -> None:
     """NPUWorker builds the v2 runner (a different class, not wrapped) only when use_v2_model_runner is still set;
-    worker.py forces it off on vLLM 0.23.0."""
+    worker.py forces it off on vLLM 0.23.0. (0.30.0rc2: opt-in, test_vllm_ascend_release_030.py.)"""
+    release = release_023
     init = _method(_class(release.tree(WORKER), "NPUWorker"), "__init__")
     guards = [n for n in ast.walk(init) if isinstance(n, ast.If) and "use_v2_model_runner" in ast.unparse(n.test)
               and 'vllm_version_is("0.23.0")' in ast.unparse(n.test).replace("'", '"')]
@@ -386,7 +440,7 @@ def test_alignment_pad_is_2_mib_as_budgeted(release: Release) -> None:
                and any(isinstance(t, ast.Name) and t.id == "alignment" for t in n.targets)]
     assert len(assigns) == 1, f"{MODEL_RUNNER}: {len(assigns)} assignments to alignment"
     assign = assigns[0]
-    assert assign.lineno == 4101, f"{MODEL_RUNNER}:{assign.lineno}"
+    assert assign.lineno == AT[release.version].alignment, f"{MODEL_RUNNER}:{assign.lineno}"
     assert ast.unparse(assign.value) == "2 * 1024 * 1024"
     assert _const_int(assign.value) == ascend_hook._ALIGN == 2 * MIB
 
@@ -395,6 +449,7 @@ def test_every_piece_is_one_allocation_padded_by_the_alignment(release: Release)
     """With a connector configured (kv_transfer_config set, as it is whenever our connector runs), every device
     allocation in the method and its two allocation helpers is ``torch.zeros(n + alignment, int8, device)`` then
     ``self._align_memory(t, alignment)[:n]``; unpadded ones only exist under ``kv_transfer_config is None``."""
+    at = AT[release.version]
     methods = _runner_methods(release)
     names = [ascend_hook.TARGET_METHOD, *_PIECE_HELPERS]
     padded_lines, unpadded_lines = [], []
@@ -423,17 +478,16 @@ def test_every_piece_is_one_allocation_padded_by_the_alignment(release: Release)
             padded_lines.append(call.lineno)
     padded_lines.sort()
     unpadded_lines.sort()
-    assert padded_lines == [4020, 4129, 4142], padded_lines
-    assert unpadded_lines == [4018, 4126, 4137], unpadded_lines
+    assert padded_lines == at.padded, padded_lines
+    assert unpadded_lines == at.unpadded, unpadded_lines
     # Each padded allocation is realigned to the 2 MiB boundary and cut back to its size.
     text = release.lines(MODEL_RUNNER)
-    for line in (4130, 4143):
-        assert text[line - 1].strip() == "tensor = self._align_memory(tensor, alignment)[: kv_cache_tensor.size]"
-    assert text[4025 - 1].strip() == "return self._align_memory(raw_tensor, alignment)[:numel]"
+    for line, statement in at.realigned.items():
+        assert text[line - 1].strip() == statement, f"{MODEL_RUNNER}:{line}"
     # The helpers get the method's 2 MiB alignment, nothing else.
     fn = methods[ascend_hook.TARGET_METHOD]
     helper_calls = [c for c in _calls(fn) if any(_is_self_call(c, h) for h in _PIECE_HELPERS)]
-    assert sorted(c.lineno for c in helper_calls) == [4249, 4254, 4266, 4273]
+    assert sorted(c.lineno for c in helper_calls) == at.helper_calls
     for call in helper_calls:
         passed = [ast.unparse(a) for a in call.args[1:2]] + [ast.unparse(k.value) for k in call.keywords
                                                                if k.arg == "alignment"]
@@ -441,7 +495,7 @@ def test_every_piece_is_one_allocation_padded_by_the_alignment(release: Release)
     # The sparse C8 helper makes ONE raw allocation and views the indexer K and its scale inside it.
     c8 = methods["_allocate_sparse_c8_indexer_tensors"]
     assert _worst_path(c8.body) == 1
-    assert [c.lineno for c in _calls(c8) if _is_self_call(c, "_allocate_int8_cache_tensor")] == [4065]
+    assert [c.lineno for c in _calls(c8) if _is_self_call(c, "_allocate_int8_cache_tensor")] == [at.c8_int8_call]
     int8 = methods["_allocate_int8_cache_tensor"]
     assert _worst_path(int8.body) == 1  # the unpadded early return OR the padded allocation, never both
 
@@ -461,11 +515,12 @@ def _branch_piece_counts(tree: ast.Module) -> tuple[tuple[int, ...], list[ast.ex
     return tuple(_worst_path(body) for _, body in branches), [t for t, _ in branches], _pieces_in(fn) - inside
 
 
-def test_at_most_three_pieces_per_kv_cache_tensor_and_path(release: Release) -> None:
+def test_at_most_three_pieces_per_kv_cache_tensor_and_path(release_023: Release) -> None:
     """The loop ``for kv_cache_tensor in kv_cache_config.kv_cache_tensors`` → ``for idx in range(len(shared_by))``
     → an if/elif chain with three allocating branches, each guarded by ``layer_name not in kv_cache_raw_tensors``:
     single tensor (mamba / hybrid / cache-only / hidden-state) = 1 piece, compressed attention = 1, attention
     = K + V + sparse indexer K (its C8 scale shares the indexer allocation) = 3."""
+    release = release_023
     counts, tests, outside = _branch_piece_counts(release.tree(MODEL_RUNNER))
     assert counts == (1, 1, 3), f"{MODEL_RUNNER}:4118 pieces per branch {counts}"
     assert max(counts) <= ascend_hook._PIECES_PER_TENSOR
@@ -474,8 +529,9 @@ def test_at_most_three_pieces_per_kv_cache_tensor_and_path(release: Release) -> 
     assert outside == 0  # no allocation anywhere else in the method
 
 
-def test_the_piece_count_sees_a_fourth_piece(release: Release) -> None:
+def test_the_piece_count_sees_a_fourth_piece(release_023: Release) -> None:
     """The count above can fail: one more padded allocation in the attention branch makes it 4."""
+    release = release_023
     anchor = "                    if self.use_sparse and dsa_k_tensor_size is not None:\n"
     text = release.text(MODEL_RUNNER)
     assert text.count(anchor) == 1
@@ -485,10 +541,11 @@ def test_the_piece_count_sees_a_fourth_piece(release: Release) -> None:
     assert counts == (1, 1, 4) and max(counts) > ascend_hook._PIECES_PER_TENSOR
 
 
-def test_attention_pieces_add_up_to_at_most_the_tensor_size(release: Release) -> None:
+def test_attention_pieces_add_up_to_at_most_the_tensor_size(release_023: Release) -> None:
     """K/V (and sparse) sizes are ``int(size // split_factor)`` with split factors from the released
     ``calc_split_factor`` / ``sparse_kv_cache_ratio``: the pieces never exceed the KVCacheTensor's size, so
     ``size + pieces x 2 MiB`` is the whole request."""
+    release = release_023
     text = release.lines(MODEL_RUNNER)
     assert text[4227 - 1].strip() == "k_tensor_size = int(kv_cache_tensor.size // k_tensor_split_factor)"
     assert text[4229 - 1].strip() == "int(kv_cache_tensor.size // v_tensor_split_factor)"
@@ -728,6 +785,11 @@ def active_connector(monkeypatch: pytest.MonkeyPatch) -> Any:
     ``vllm.distributed.kv_transfer.kv_transfer_state``; a stand-in module under that name keeps this file from
     importing vLLM (slow; the real module is exercised by test_ascend_hook.py). Until activate() is called no
     connector is active."""
+    return connector_activator(monkeypatch)
+
+
+def connector_activator(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The ``active_connector`` fixture's value (test_vllm_ascend_release_030.py makes its own from it)."""
     state = ModuleType("vllm.distributed.kv_transfer.kv_transfer_state")
     state.group = None  # type: ignore[attr-defined]
     state.has_kv_transfer_group = lambda: state.group is not None  # type: ignore[attr-defined]
@@ -740,7 +802,8 @@ def active_connector(monkeypatch: pytest.MonkeyPatch) -> Any:
     return activate
 
 
-def test_patch_module_wraps_the_released_method_and_rejects_a_changed_signature(release: Release) -> None:
+def test_patch_module_wraps_the_released_method_and_rejects_a_changed_signature(release_023: Release) -> None:
+    release = release_023
     module, _ = _released_runner_module(release)
     original = module.NPUModelRunner._allocate_kv_cache_tensors
     assert original.__code__.co_filename == MODEL_RUNNER and original.__code__.co_firstlineno == 4082
@@ -821,7 +884,8 @@ def _views(raw: dict, names: list[str]) -> list[FakeTensor]:
 
 @pytest.mark.parametrize("scenario", ["dense-gqa", "mla", "sparse-dsa", "sparse-dsa-li-c8", "mamba-hybrid"])
 def test_released_allocation_runs_inside_one_arena_sized_by_ascend_arena_size(
-        release: Release, active_connector: Any, scenario: str) -> None:
+        release_023: Release, active_connector: Any, scenario: str) -> None:
+    release = release_023
     module, g = _released_runner_module(release)
     cfg, attrs, pieces = _scenarios(g["AscendMLAAttentionSpec"])[scenario]
     raw, npu, group = _allocate_with_hook(module, cfg, attrs, active_connector)
@@ -852,21 +916,21 @@ def test_released_allocation_runs_inside_one_arena_sized_by_ascend_arena_size(
                        <= arena.base + arena.size for t in views)
 
 
-def test_a_budget_without_the_pads_does_not_fit(release: Release, active_connector: Any,
+def test_a_budget_without_the_pads_does_not_fit(release_023: Release, active_connector: Any,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The fit check above can fail: budgeting one pad per KVCacheTensor instead of three leaves the released
     code (two padded pieces per tensor) short of arena space."""
-    module, g = _released_runner_module(release)
+    module, g = _released_runner_module(release_023)
     cfg, attrs, _ = _scenarios(g["AscendMLAAttentionSpec"])["dense-gqa"]
     monkeypatch.setattr(ascend_hook, "_PIECES_PER_TENSOR", 1)
     with pytest.raises(MemoryError, match="arena of .* full"):
         _allocate_with_hook(module, cfg, attrs, active_connector)
 
 
-def test_without_a_connector_group_the_released_code_allocates_as_usual(release: Release,
+def test_without_a_connector_group_the_released_code_allocates_as_usual(release_023: Release,
                                                                        active_connector: Any) -> None:
     """No active group (has_kv_transfer_group() false): the wrapper just calls the released method."""
-    module, g = _released_runner_module(release)
+    module, g = _released_runner_module(release_023)
     cfg, attrs, pieces = _scenarios(g["AscendMLAAttentionSpec"])["dense-gqa"]
     assert ascend_hook.patch_module(module) is True
     npu = FakeNpu()
@@ -877,7 +941,7 @@ def test_without_a_connector_group_the_released_code_allocates_as_usual(release:
 
 @pytest.mark.parametrize("attention_first", [True, False], ids=["attention-first", "cache-only-first"])
 def test_mixed_attention_and_cache_only_tensor_fits_the_budget(
-    release: Release, active_connector: Any, attention_first: bool
+    release_023: Release, active_connector: Any, attention_first: bool
 ) -> None:
     """vllm-ascend 0.23.0.post1 model_runner_v1.py:4280 vs :4118: when one KVCacheTensor is shared by an attention
     layer and a cache-only / hidden-state layer, the attention branch records only the 'attn' layers as done and
@@ -892,7 +956,7 @@ def test_mixed_attention_and_cache_only_tensor_fits_the_budget(
         kv_cache_tensors=[SimpleNamespace(size=size, shared_by=shared_by)],
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=gqa, layer_names=[_layer(0)]),
                          SimpleNamespace(kv_cache_spec=hidden, layer_names=["cache_only_layers.0"])])
-    module, _ = _released_runner_module(release)
+    module, _ = _released_runner_module(release_023)
     attrs = dict(use_sparse=False, use_compress=False, runner_only_attn_layers=set())
     _, npu, group = _allocate_with_hook(module, cfg, attrs, active_connector)
     assert group.sizes == [ascend_hook.ascend_arena_size(cfg)]
@@ -903,7 +967,7 @@ def test_mixed_attention_and_cache_only_tensor_fits_the_budget(
 
     # The negative control: the budget without the doubling overflows the arena when attention comes first.
     plain = sum(t.size + ascend_hook._PIECES_PER_TENSOR * MIB * 2 for t in cfg.kv_cache_tensors) + 2 * MIB
-    module, _ = _released_runner_module(release)
+    module, _ = _released_runner_module(release_023)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ascend_hook, "ascend_arena_size", lambda _cfg: -(-plain // (2 * MIB)) * 2 * MIB)
         if attention_first:
@@ -926,7 +990,8 @@ def _connector_created_first(tree: ast.Module) -> tuple[int, list[int]]:
     return (ensure[0] if ensure else 0), reach
 
 
-def test_worker_creates_the_connector_before_allocating_the_kv_cache(release: Release) -> None:
+def test_worker_creates_the_connector_before_allocating_the_kv_cache(release_023: Release) -> None:
+    release = release_023
     worker_files = [p for p in release.files("vllm_ascend/worker/", ".py")
                     if re.fullmatch(r"vllm_ascend/worker/worker[^/]*\.py", p)]
     assert worker_files == [WORKER]
@@ -1004,7 +1069,7 @@ def test_the_mem_pool_search_finds_a_call_when_there_is_one(release: Release) ->
     mutated._text = {**release._text, WORKER: text}
     worker_tree = ast.parse(text)
     mutated.tree = lambda rel: worker_tree if rel == WORKER else release.tree(rel)  # type: ignore[method-assign]
-    assert _mem_pool_context_uses(mutated) == [f"{WORKER}:910"]
+    assert _mem_pool_context_uses(mutated) == [f"{WORKER}:{AT[release.version].mem_pool_probe}"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1027,10 +1092,10 @@ def test_platform_plugin_entry_point(release: Release) -> None:
     assert len(setup_call) == 1
     eps = ast.literal_eval(next(k.value for k in setup_call[0].keywords if k.arg == "entry_points"))
     assert eps["vllm.platform_plugins"] == ["ascend = vllm_ascend:register"]
-    assert setup_call[0].lineno == 512
+    assert setup_call[0].lineno == AT[release.version].setup
     # The target exists and returns the platform class path.
     register = _function(release.tree("vllm_ascend/__init__.py"), "register")
-    assert register.lineno == 38 and _param_names(register) == ()
+    assert register.lineno == AT[release.version].register and _param_names(register) == ()
     assert ast.unparse(register.body[-1]) == "return 'vllm_ascend.platform.NPUPlatform'"
 
 
@@ -1056,7 +1121,8 @@ def _matrix_row(release: Release, version: str) -> dict[str, str]:
     raise AssertionError(f"no row for v{version}")
 
 
-def test_compatibility_matrix_and_requirements_match_the_ascend_extra(release: Release) -> None:
+def test_compatibility_matrix_and_requirements_match_the_ascend_extra(release_023: Release) -> None:
+    release = release_023
     row = _matrix_row(release, VERSION)
     assert row == {"vLLM Ascend": "v0.23.0.post1", "vLLM": "v0.23.0", "Python": ">= 3.10, < 3.13",
                    "Stable CANN": "9.1.0", "PyTorch/torch_npu": "2.10.0 / 2.10.0.post4", "Triton Ascend": "3.2.2",
@@ -1083,15 +1149,16 @@ def test_compatibility_matrix_and_requirements_match_the_ascend_extra(release: R
     assert "vllm" not in extra and row["vLLM"] == "v0.23.0"
 
 
-def _shape_function(release: Release, rel: str, backend: str) -> Any:
-    """The released ``<backend>.get_kv_cache_shape``, compiled from its text (a pure function of ints)."""
+def _shape_function(release: Release, rel: str, backend: str, kv_cache_layout: str | None = None) -> Any:
+    """The released ``<backend>.get_kv_cache_shape``, compiled from its text (a pure function of ints and, from
+    0.30.0rc2 on, of ``VLLM_KV_CACHE_LAYOUT``: unset unless ``kv_cache_layout`` is given)."""
     fn = copy.deepcopy(_method(_class(release.tree(rel), backend), "get_kv_cache_shape"))
     fn.decorator_list = []
     fn.args.args = [a for a in fn.args.args if a.arg != "self"]
     for a in [*fn.args.args, *fn.args.kwonlyargs]:
         a.annotation = None
     fn.returns = None
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"envs_vllm": SimpleNamespace(VLLM_KV_CACHE_LAYOUT=kv_cache_layout)}
     exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), rel, "exec"), namespace)
     return namespace["get_kv_cache_shape"]
 
@@ -1100,7 +1167,8 @@ def test_npu_kv_blocks_are_what_the_npu_platform_declares(release: Release) -> N
     """platform/npu.py declares vllm-ascend's KV blocks token-major rows (AttentionInterior.TOKEN_MAJOR), so a P
     block of another block size is a contiguous run of tokens of a D block. Read off the release: its attention
     backend's shape is (2, blocks, block_size, kv_heads, head) and the runner views K and V each as
-    ``kv_cache_shape[1:]``; MLA's nope and rope as (blocks, block_size, kv_heads, dim), one latent row per token."""
+    ``kv_cache_shape[1:]``; MLA's nope and rope as (blocks, block_size, kv_heads, dim), one latent row per token.
+    (0.30.0rc2: with VLLM_KV_CACHE_LAYOUT unset; LBHNC/HND make it head-major, test_vllm_ascend_release_030.py.)"""
     from vllm_kvp2p.platform.npu import NpuPlatform
     from vllm_kvp2p.transfer.descriptors import PlaneGeometry
     from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, block_shape_of
@@ -1149,8 +1217,13 @@ def test_vllm_ascends_nz_kv_cache_is_refused(release: Release) -> None:
 
     from vllm_kvp2p.platform.npu import NpuPlatform
 
-    config = release.text("vllm_ascend/ascend_config.py")
-    assert 'additional_config.get("enable_kv_nz", False)' in config
+    config = release.tree("vllm_ascend/ascend_config.py")
+    if release.version == V023:
+        assert 'additional_config.get("enable_kv_nz", False)' in release.text("vllm_ascend/ascend_config.py")
+    else:  # a field of the (pydantic) AscendConfig built from --additional-config's keys
+        fields = {ast.unparse(n.target): ast.unparse(n.value) for n in _class(config, "AscendConfig").body
+                  if isinstance(n, ast.AnnAssign) and n.value is not None}
+        assert fields["enable_kv_nz"] == "False"
     nz = SimpleNamespace(additional_config={"enable_kv_nz": True})
     assert "enable_kv_nz" in NpuPlatform().unsupported_setting(nz)
     assert NpuPlatform().unsupported_setting(SimpleNamespace(additional_config={})) == ""

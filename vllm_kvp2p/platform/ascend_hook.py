@@ -2,10 +2,10 @@
 
 vLLM's GPU worker (and the CPU worker that inherits it) allocates the KV cache inside the connector's
 ``get_mem_pool_context()``. vllm-ascend's ``NPUWorker.initialize_from_config`` does not (checked against the
-0.23.0.post1 release by tests/unit/test_vllm_ascend_release.py): its
+0.23.0.post1 and 0.30.0rc2 releases by tests/unit/test_vllm_ascend_release.py and ..._030.py): its
 ``NPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` allocates each piece itself (K, V and, for sparse
-MLA models, the indexer cache: 1 to 3 per KVCacheTensor), each padded to 2 MiB alignment, so the KV cache would be
-up to three regions per layer, against HCCL's 256.
+MLA models, the indexer cache), each padded to 2 MiB alignment, so the KV cache would be up to three regions per
+layer, against HCCL's 256.
 
 :func:`install` runs from the plugin (``vllm_kvp2p.register``) and must stay cheap: when vllm-ascend is installed
 it only adds an import hook; when ``vllm_ascend.worker.model_runner_v1`` is imported (or already was), that method
@@ -38,6 +38,9 @@ __all__ = ["EXPECTED_PARAMS", "ascend_arena_size", "install", "patch_module"]
 # vllm-ascend pads every piece it allocates (K, V, and for MLA/sparse models the rope or index cache) by one 2 MiB
 # alignment; at most this many pieces per KVCacheTensor are budgeted (over-reserves <= 2 MiB per layer otherwise).
 _PIECES_PER_TENSOR = 3
+# With vLLM >= 0.29's KVCacheTensor (vllm-ascend 0.30.0rc2 on vLLM 0.30.0) pieces are per layer: K + V (MLA: nope +
+# rope), or one (page-strided K/V, indexer K [+ scale], Mamba state).
+_PIECES_PER_LAYER = 2
 _ALIGN = 2 << 20
 
 _lock = threading.Lock()
@@ -52,9 +55,16 @@ def ascend_arena_size(kv_cache_config: Any) -> int:
     or cache-only layer) is allocated twice by vllm-ascend 0.23.0.post1: its attention branch marks only the names
     containing "attn" as done, so the single-tensor branch allocates the whole size again for the others
     (model_runner_v1.py:4118 and :4280). With the other layer first, one allocation serves all. Both orders run
-    through the released code in tests/unit/test_vllm_ascend_release.py."""
+    through the released code in tests/unit/test_vllm_ascend_release.py.
+
+    vLLM >= 0.29 describes the cache differently (KVCacheTensor with ``layers``/``layer_stride``: every descriptor's
+    ``size`` is the one shared backing), and vllm-ascend 0.30.0rc2 does not allocate that backing: see
+    :func:`_descriptor_budget`."""
     tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
-    total = sum(_tensor_budget(t) for t in tensors) + _ALIGN
+    if tensors and all(hasattr(t, "layer_stride") for t in tensors):
+        total = _descriptor_budget(kv_cache_config, tensors) + _ALIGN
+    else:
+        total = sum(_tensor_budget(t) for t in tensors) + _ALIGN
     return -(-total // _ALIGN) * _ALIGN
 
 
@@ -64,6 +74,85 @@ def _tensor_budget(tensor: Any) -> int:
     if names and "attn" in names[0] and any("attn" not in n for n in names):
         return 2 * size + (_PIECES_PER_TENSOR + 1) * _ALIGN
     return size + _PIECES_PER_TENSOR * _ALIGN
+
+
+def _descriptor_budget(kv_cache_config: Any, tensors: list[Any]) -> int:
+    """What vllm-ascend 0.30.0rc2 (model_runner_v1.py:4946) allocates for vLLM >= 0.29's descriptors, 2 MiB pad
+    per piece included. Mostly a private buffer per layer (``num_blocks x`` its page, as the worker budgets it in
+    ``_scale_kv_cache_memory_for_multi_group``); one backing of the descriptors' ``size`` for DeepSeek-V4 and for
+    hybrid attention/Mamba models whose layers all fit the compact layer-outer layout; one allocation of each
+    descriptor's ``size`` for DeepSeek-V4.1 and GLM-Next's padded pages. Decided by runner state this cannot see,
+    so not covered (``kv_arena=false`` avoids the arena): KVPP (``kvpp_config.size > 1``) and a hybrid model run
+    with sparse or compressed attention (arena too small: torch-npu reports out-of-memory), Step-3.5/3.7 (one
+    backing, budgeted per layer: too large to reserve)."""
+    specs = _layer_specs(kv_cache_config)
+    versions = {getattr(spec, "model_version", None) for spec in specs.values()}
+    if "deepseek_v41" in versions or _padded_page_layout(specs.values()):
+        return sum(int(t.size) + _ALIGN for t in tensors)  # one allocation per descriptor (:4970, :5024)
+    backing = max(int(t.size) for t in tensors)
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    if "deepseek_v4" in versions or (_hybrid(specs.values()) and _fits_one_backing(tensors, specs, num_blocks)):
+        return backing + _ALIGN  # one shared backing (:5051, :5107)
+    total, seen = 0, set()
+    for tensor in tensors:
+        for name in _layer_names(tensor):
+            if name not in seen:
+                seen.add(name)
+                total += num_blocks * _page_size(specs.get(name), tensor) + _PIECES_PER_LAYER * _ALIGN
+    return total
+
+
+def _layer_names(tensor: Any) -> list[str]:
+    return [str(n) for n in (getattr(tensor, "layers", None) or getattr(tensor, "shared_by", None) or [])]
+
+
+def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Layer name -> its KV cache spec (a UniformTypeKVCacheSpecs group holds one per layer)."""
+    specs: dict[str, Any] = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            specs[str(name)] = per_layer[name] if isinstance(per_layer, dict) else spec
+    return specs
+
+
+def _is_a(spec: Any, class_name: str) -> bool:
+    return any(cls.__name__ == class_name for cls in type(spec).__mro__)
+
+
+def _hybrid(specs: Any) -> bool:
+    specs = list(specs)
+    return any(_is_a(s, "MambaSpec") for s in specs) and any(_is_a(s, "AttentionSpec") for s in specs)
+
+
+def _padded_page_layout(specs: Any) -> bool:
+    """vllm-ascend's ``requires_padded_page_layout`` (core/kv_cache_interface.py:68)."""
+    specs = list(specs)
+    state = [s for s in specs if _is_a(s, "MambaSpec") and getattr(s, "page_size_padded", None) is not None]
+    return bool(state) and any(getattr(s, "indexes_kv_by_block_stride", False) for s in specs)
+
+
+def _fits_one_backing(tensors: list[Any], specs: dict[str, Any], num_blocks: int) -> bool:
+    """Every layer's region lies in the shared backing with a page-sized block stride: the test with which
+    model_runner_v1.py:5126 materializes one backing instead of a buffer per layer."""
+    if len({int(t.size) for t in tensors}) != 1:
+        return False
+    for tensor in tensors:
+        for index, name in enumerate(_layer_names(tensor)):
+            page = _page_size(specs.get(name), tensor)
+            start = int(getattr(tensor, "offset", 0)) + index * int(tensor.layer_stride)
+            if int(tensor.block_stride) != page or start + num_blocks * page > int(tensor.size):
+                return False
+    return True
+
+
+def _page_size(spec: Any, tensor: Any) -> int:
+    page = getattr(spec, "page_size_bytes", None) if spec is not None else None
+    if page:
+        return int(page)
+    strides = [int(s) for s in (tensor.layer_stride, tensor.block_stride) if int(s) > 0]
+    return min(strides) if strides else int(tensor.size)
 
 
 def install() -> bool:

@@ -48,6 +48,8 @@ ALLOW_UNSUPPORTED_SETTING = "VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM"
 ASCEND_MATRIX: dict[str, str] = {
     "0.23.0.post1": "0.23.0",
     "0.23.0": "0.23.0",
+    "0.30.0rc1": "0.30.0",
+    "0.30.0rc2": "0.30.0",  # no row of its own: rc1's code with a Dockerfile fix
 }
 
 

@@ -113,6 +113,8 @@ def test_an_old_vllm_gets_the_message_not_an_import_error() -> None:
         ("0.23.0+empty", "0.23.0", None),
         ("0.32.0", "0.23.0.post1", "built for vLLM 0.23.0 but vLLM 0.32.0 is installed"),
         ("0.23.0", "0.22.1rc1", "not in the tested matrix"),
+        ("0.30.0", "0.30.0rc2", None),
+        ("0.23.0", "0.30.0rc2", "built for vLLM 0.30.0 but vLLM 0.23.0 is installed"),
     ],
 )
 def test_vllm_ascend_pairing(vllm_version: str, ascend_version: str | None, problem: str | None) -> None:

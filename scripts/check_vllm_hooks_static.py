@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import importlib.util
 import inspect
 import json
 import re
@@ -131,9 +130,11 @@ def dir_source(site: Path) -> Source:
 
 
 def installed_site() -> Path:
-    spec = importlib.util.find_spec("vllm")  # locates it, does not import it
-    assert spec is not None and spec.origin is not None, "vLLM is not installed here"
-    return Path(spec.origin).parent.parent
+    """The site-packages holding vLLM, found on sys.path without importing anything."""
+    site = next((Path(e) for e in sys.path if e and (Path(e) / "vllm" / "__init__.py").is_file()), None)
+    if site is None:
+        raise SystemExit("vLLM is not installed here")
+    return site
 
 
 def release_source(spec: str) -> Source:
@@ -213,9 +214,14 @@ def class_from_object(cls: type) -> ClassInfo:
     return info
 
 
-def load_ours() -> dict[str, ClassInfo]:
-    return {t: class_from_object(getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]))
-            for _, _, t in PAIRS}
+def load_ours(from_source: bool = False) -> dict[str, ClassInfo]:
+    """Our classes, imported (as vLLM gets them) or parsed from the package source (no vLLM needed)."""
+    out = {}
+    for target in dict.fromkeys(t for _, _, t in PAIRS):
+        module, name = target.split(":")
+        out[target] = parse_classes((PACKAGE_DIR.parent / (module.replace(".", "/") + ".py")).read_text())[name] \
+            if from_source else class_from_object(getattr(importlib.import_module(module), name))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ call sites
@@ -566,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM versions (the wheel is downloaded once), 'installed', a .whl or a site-packages dir")
     parser.add_argument("--json", type=Path, help="also write the reports here")
     parser.add_argument("--verbose", action="store_true", help="every call site, and receivers left unresolved")
+    parser.add_argument("--from-source", action="store_true", help="parse our classes instead of importing them")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(PACKAGE_DIR.parent))
     baseline = dir_source(installed_site())
-    ours, uses = load_ours(), package_uses()
+    ours, uses = load_ours(args.from_source), package_uses()
     reports = [check_release(v, release_source(v), baseline, ours, uses) for v in args.versions]
     print("\n\n".join(format_report(r, args.verbose) for r in reports))
     if args.json:

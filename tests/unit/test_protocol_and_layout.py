@@ -51,6 +51,21 @@ def test_padded_blocks_are_not_dense_but_addressable() -> None:
     assert plane.block_stride == 128 and plane.block_bytes == 64 and not plane.dense
 
 
+def test_page_strided_k_and_v_views_are_two_interleaved_planes() -> None:
+    """vllm-ascend 0.30.0rc2's dense attention: one buffer per layer whose page holds a block's K then its V, and K
+    and V handed over as views with twice the block's bytes as block stride (model_runner_v1.py:5737)."""
+    block, heads, head, size = 16, 2, 8, 2  # (num_blocks, block_size, kv_heads, head) per view, bfloat16
+    per_block = block * heads * head
+    k = TensorView(4096, (10, block, heads, head), (2 * per_block, heads * head, head, 1), size)
+    v = TensorView(4096 + per_block * size, k.shape, k.strides, size)
+    (pk,), (pv,) = planes_of(k, 10), planes_of(v, 10)
+    assert pk == PlaneGeometry(4096, 2 * per_block * size, per_block * size, 10) and not pk.dense
+    assert pv.base_addr == pk.base_addr + pk.block_bytes and pv.block_stride == pk.block_stride
+    k_blocks = {pk.base_addr + b * pk.block_stride for b in range(10)}
+    v_blocks = {pv.base_addr + b * pv.block_stride for b in range(10)}
+    assert not k_blocks & v_blocks and max(v_blocks) + pv.block_bytes == k.data_ptr + 10 * pk.block_stride
+
+
 def test_non_contiguous_block_is_refused() -> None:
     view = TensorView(0, (10, 4, 8), (32, 1, 4), 2)  # transposed inner dims
     with pytest.raises(LayoutError, match="not contiguous"):

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Static check of MooncakeP2PConnector against a vLLM release's connector contract, read from the release's wheel
 (files read from the zip, never imported): the ``KVConnectorBase_V1`` hooks and every place vLLM calls them, the
-helper classes the package subclasses or reads, and the ``vllm`` names it imports. The baseline is the vLLM
-installed here (0.32), read as source the same way.
+helper classes the package subclasses or reads. The baseline is the vLLM installed here (0.32), read as source
+the same way.
 
-    check_vllm_hooks_static.py [VERSION|installed|PATH.whl|SITE_DIR ...] [--json PATH] [--verbose]
+    check_vllm_hooks_static.py [VERSION|installed|PATH.whl|SITE_DIR ...] [--json PATH] [--verbose] [--from-source]
 
-Exit status 1 when a release has a hard incompatibility (a call our class cannot accept, an abstract method,
-a field or an imported name we need that the release lacks). Wheels are cached in ~/.cache/vllm-kvp2p/wheels/."""
+Exit status 1 when a release has a hard incompatibility: a call our class cannot take, an abstract method we lack,
+a field or a class we need that the release lacks. Wheels are cached in ~/.cache/vllm-kvp2p/wheels/."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ PAIRS: list[tuple[str, str, str]] = [
     (METRICS, "KVConnectorStats", "vllm_kvp2p.metrics:Kvp2pStats"),
     (METRICS, "KVConnectorPromMetrics", "vllm_kvp2p.metrics:Kvp2pPromMetrics"),
 ]
-#: Classes whose shape is compared with the baseline's (besides the connector bases).
+#: Helper classes whose members are compared with the baseline's.
 SHAPES = [(BASE, "KVConnectorRole"), (BASE, "KVConnectorMetadata"), (BASE, "KVConnectorWorkerMetadata"),
           (BASE, "KVConnectorTransferResults"), (OUTPUTS, "KVConnectorOutput"), (METRICS, "KVConnectorStats"),
           (METRICS, "KVConnectorPromMetrics")]
@@ -58,9 +58,6 @@ class Param:
     kind: str  # posonly, pos, varpos, kwonly, varkw
     default: bool = False
 
-    def text(self) -> str:
-        return {"varpos": "*", "varkw": "**"}.get(self.kind, "") + self.name + ("=…" if self.default else "")
-
 
 @dataclass
 class Method:
@@ -69,12 +66,13 @@ class Method:
     kind: str = "method"  # method, classmethod, staticmethod, property
     abstract: bool = False
     returns: str = ""
-    body: str = ""  # what the base's default does (docstring dropped), for a reviewer
+    body: str = ""  # what a base's default does (docstring dropped), for a reviewer
 
     def signature(self) -> str:
-        prefix = "" if self.kind == "method" else f"@{self.kind} "
-        return (f"{prefix}{self.name}({', '.join(p.text() for p in self.params)})"
-                + (f" -> {self.returns}" if self.returns else "") + (" [abstract]" if self.abstract else ""))
+        params = ", ".join({"varpos": "*", "varkw": "**"}.get(p.kind, "") + p.name + "=…" * p.default
+                           for p in self.params)
+        return ("" if self.kind == "method" else f"@{self.kind} ") + f"{self.name}({params})" + \
+            (f" -> {self.returns}" if self.returns else "") + " [abstract]" * self.abstract
 
 
 @dataclass
@@ -93,7 +91,6 @@ class CallSite:
     nargs: int = 0
     keywords: tuple[str, ...] = ()
     star: bool = False  # *args / **kwargs passed: only keyword names are checked
-    kind: str = "call"  # call, probe (getattr/hasattr), read (attribute read)
 
 
 @dataclass
@@ -119,14 +116,12 @@ def memory_source(files: dict[str, str], label: str = "memory") -> Source:
 def zip_source(wheel: Path) -> Source:
     archive = zipfile.ZipFile(wheel)
     names = {n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")}
-    return Source(wheel.name, sorted(names),
-                  lambda p: archive.read(p).decode("utf-8", "replace") if p in names else None)
+    return Source(wheel.name, sorted(names), lambda p: archive.read(p).decode() if p in names else None)
 
 
 def dir_source(site: Path) -> Source:
-    paths = sorted(str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py"))
-    return Source(str(site / "vllm"), paths,
-                  lambda p: (site / p).read_text("utf-8", "replace") if (site / p).is_file() else None)
+    return Source(str(site / "vllm"), sorted(str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py")),
+                  lambda p: (site / p).read_text() if (site / p).is_file() else None)
 
 
 def installed_site() -> Path:
@@ -138,12 +133,12 @@ def installed_site() -> Path:
 
 
 def release_source(spec: str) -> Source:
-    """``installed``, a site-packages directory, a wheel, or a version (its wheel is downloaded once)."""
+    """``installed``, a site-packages directory, a wheel, or an exact version (its wheel is downloaded once)."""
     if spec == "installed" or Path(spec).is_dir():
         return dir_source(installed_site() if spec == "installed" else Path(spec))
     if spec.endswith(".whl"):
         return zip_source(Path(spec))
-    if not sorted(CACHE.glob(f"vllm-{spec}-*.whl")):
+    if not list(CACHE.glob(f"vllm-{spec}-*.whl")):
         CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE),
                         f"vllm=={spec}"], check=True)
@@ -155,26 +150,22 @@ def release_source(spec: str) -> Source:
 
 # ------------------------------------------------------------------------------------------------ classes
 
-def _params(args: ast.arguments, drop_first: bool) -> tuple[Param, ...]:
-    positional = [*args.posonlyargs, *args.args]
-    first_default = len(positional) - len(args.defaults)
-    out = [Param(a.arg, "posonly" if i < len(args.posonlyargs) else "pos", i >= first_default)
-           for i, a in enumerate(positional)][1 if drop_first else 0:]
-    out += [Param(args.vararg.arg, "varpos")] if args.vararg else []
-    out += [Param(a.arg, "kwonly", d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
-    return tuple(out + ([Param(args.kwarg.arg, "varkw")] if args.kwarg else []))
-
-
 def method_from_ast(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Method | None:
     decorators = {ast.unparse(d).rsplit(".", 1)[-1] for d in fn.decorator_list}
     if decorators & {"setter", "deleter"}:
         return None
     kind = next((k for k in ("classmethod", "staticmethod", "property") if k in decorators), "method")
-    first = fn.body[0]
-    doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-    body = "; ".join(" ".join(ast.unparse(s).split()) for s in fn.body[1 if doc else 0:])
-    return Method(fn.name, _params(fn.args, kind != "staticmethod"), kind, "abstractmethod" in decorators,
-                  ast.unparse(fn.returns) if fn.returns else "", (body or "(docstring only: None)")[:240])
+    a = fn.args
+    positional, first_default = [*a.posonlyargs, *a.args], len(a.posonlyargs) + len(a.args) - len(a.defaults)
+    params = [Param(p.arg, "posonly" if i < len(a.posonlyargs) else "pos", i >= first_default)
+              for i, p in enumerate(positional)][kind != "staticmethod":]
+    params += [Param(a.vararg.arg, "varpos")] if a.vararg else []
+    params += [Param(p.arg, "kwonly", d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    params += [Param(a.kwarg.arg, "varkw")] if a.kwarg else []
+    doc = isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0].value, "value", None), str)
+    body = "; ".join(" ".join(ast.unparse(s).split()) for s in fn.body[doc:]) or "(docstring only: None)"
+    return Method(fn.name, tuple(params), kind, "abstractmethod" in decorators,
+                  ast.unparse(fn.returns) if fn.returns else "", body[:240])
 
 
 def parse_classes(text: str) -> dict[str, ClassInfo]:
@@ -192,35 +183,14 @@ def parse_classes(text: str) -> dict[str, ClassInfo]:
     return classes
 
 
-def class_from_object(cls: type) -> ClassInfo:
-    """Our class as Python sees it after import: what it defines itself (the rest comes from vLLM)."""
-    info = ClassInfo(cls.__name__)
-    kinds = {getattr(inspect.Parameter, k): v for k, v in (
-        ("POSITIONAL_ONLY", "posonly"), ("POSITIONAL_OR_KEYWORD", "pos"), ("VAR_POSITIONAL", "varpos"),
-        ("KEYWORD_ONLY", "kwonly"), ("VAR_KEYWORD", "varkw"))}
-    for name, raw in vars(cls).items():
-        if name.startswith("__") and name != "__init__":
-            continue
-        kind, fn = ("method", raw) if inspect.isfunction(raw) else \
-            (type(raw).__name__, raw.__func__) if isinstance(raw, (classmethod, staticmethod)) else \
-            ("property", raw.fget) if isinstance(raw, property) else ("", None)
-        if fn is None:
-            info.attrs[name] = repr(raw)[:80]
-            continue
-        params = [Param(p.name, kinds[p.kind], p.default is not p.empty)
-                  for p in inspect.signature(fn).parameters.values()]
-        info.methods[name] = Method(name, tuple(params[kind != "staticmethod":]), kind,
-                                    bool(getattr(fn, "__isabstractmethod__", False)))
-    return info
-
-
 def load_ours(from_source: bool = False) -> dict[str, ClassInfo]:
-    """Our classes, imported (as vLLM gets them) or parsed from the package source (no vLLM needed)."""
+    """Our classes, from the modules as imported (what vLLM loads) or straight from the package files (no vLLM)."""
     out = {}
     for target in dict.fromkeys(t for _, _, t in PAIRS):
         module, name = target.split(":")
-        out[target] = parse_classes((PACKAGE_DIR.parent / (module.replace(".", "/") + ".py")).read_text())[name] \
-            if from_source else class_from_object(getattr(importlib.import_module(module), name))
+        text = (PACKAGE_DIR.parent / (module.replace(".", "/") + ".py")).read_text() if from_source \
+            else inspect.getsource(importlib.import_module(module))
+        out[target] = parse_classes(text)[name]
     return out
 
 
@@ -231,8 +201,7 @@ def _is_connector(node: ast.expr, aliases: set[str]) -> bool:
             and node.func.id == "cast" and len(node.args) == 2:  # self._connectors[i], cast(SupportsHMA, c)
         node = node.value if isinstance(node, ast.Subscript) else node.args[1]
     if isinstance(node, ast.Call):
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        name = getattr(node.func, "attr", getattr(node.func, "id", ""))
         return name in CONNECTOR_FACTORIES or name == "super" and "self" in aliases or \
             name in {"enumerate", "reversed", "list", "tuple", "zip", "sorted"} and \
             any(_is_connector(a, aliases) for a in node.args)
@@ -269,8 +238,8 @@ def _aliases(nodes: list[ast.AST], aliases: set[str]) -> set[str]:
 
 
 def call_sites(path: str, tree: ast.Module, self_class: str | None = None) -> list[CallSite]:
-    """Calls on, probes of and attribute reads of a KV connector in one module. Inside ``self_class``, ``self``
-    and ``super()`` count as the connector (the base calling its own hooks, our class calling the base)."""
+    """Calls on a KV connector in one module. Inside ``self_class``, ``self`` and
+    ``super()`` are the connector too (the base calling its own hooks, our class calling the base)."""
     scopes = [(s, list(_own_nodes(s)), c) for s, c in _scopes(tree)]
     found = [_aliases(n, {"self"} if self_class and c == self_class else set()) for _, n, c in scopes]
     in_file = set().union(*found) - {"self"}  # attributes set in one method, lambda parameters named as elsewhere
@@ -279,22 +248,16 @@ def call_sites(path: str, tree: ast.Module, self_class: str | None = None) -> li
         aliases |= {a for a in in_file if "." in a}
         if isinstance(scope, ast.Lambda):
             aliases |= {a.arg for a in scope.args.args} & in_file
-        called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
         for node in nodes:
             where = f"{path}:{getattr(node, 'lineno', 0)}"
-            if isinstance(node, ast.Call):
-                func, kws = node.func, tuple(k.arg for k in node.keywords if k.arg is not None)
-                star = any(isinstance(a, ast.Starred) for a in node.args) or len(kws) < len(node.keywords)
-                if isinstance(func, ast.Attribute) and _is_connector(func.value, aliases):
-                    sites.append(CallSite(func.attr, where, ast.unparse(func.value), len(node.args), kws, star))
-                elif isinstance(func, ast.Name) and func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
-                        and isinstance(node.args[1], ast.Constant) and _is_connector(node.args[0], aliases):
-                    sites.append(CallSite(str(node.args[1].value), where, ast.unparse(node.args[0]), kind="probe"))
-                elif _is_connector(func, aliases) and ast.unparse(func).endswith("connector_cls"):
-                    sites.append(CallSite("__init__", where, ast.unparse(func), len(node.args), kws, star))
-            elif isinstance(node, ast.Attribute) and id(node) not in called and isinstance(node.ctx, ast.Load) \
-                    and _is_connector(node.value, aliases):
-                sites.append(CallSite(node.attr, where, ast.unparse(node.value), kind="read"))
+            if not isinstance(node, ast.Call):
+                continue
+            func, kws = node.func, tuple(k.arg for k in node.keywords if k.arg is not None)
+            star = any(isinstance(a, ast.Starred) for a in node.args) or len(kws) < len(node.keywords)
+            if isinstance(func, ast.Attribute) and _is_connector(func.value, aliases):
+                sites.append(CallSite(func.attr, where, ast.unparse(func.value), len(node.args), kws, star))
+            elif _is_connector(func, aliases) and ast.unparse(func).endswith("connector_cls"):
+                sites.append(CallSite("__init__", where, ast.unparse(func), len(node.args), kws, star))
     return sites
 
 
@@ -303,10 +266,7 @@ def release_call_sites(source: Source) -> list[CallSite]:
     for path in source.paths:
         text = source.read(path) or ""
         if not path.startswith(SKIP_CALLERS) and HINT.search(text):
-            try:
-                sites += call_sites(path, ast.parse(text), "KVConnectorBase_V1" if path == BASE else None)
-            except SyntaxError:
-                print(f"warning: {path} does not parse with this Python", file=sys.stderr)
+            sites += call_sites(path, ast.parse(text), "KVConnectorBase_V1" if path == BASE else None)
     return sites
 
 
@@ -316,45 +276,25 @@ def release_call_sites(source: Source) -> list[CallSite]:
 class PackageUses:
     """What vllm_kvp2p takes from vLLM besides the hooks."""
 
-    imports: list[tuple[str, str, str, str]] = field(default_factory=list)  # module, name, where, guard
     role_members: set[str] = field(default_factory=set)  # KVConnectorRole.X
     output_fields: set[str] = field(default_factory=set)  # reads of a parameter annotated KVConnectorOutput
     base_calls: dict[str, list[CallSite]] = field(default_factory=dict)  # our class -> its self./super() calls
-
-
-def _imports(tree: ast.AST, where: str, guard: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """guard: "typing", "try:ID" (ImportError caught), "except:ID" (that try's fallback) or "" (must import)."""
-    for node in ast.iter_child_nodes(tree):
-        inner = "typing" if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) else guard
-        if isinstance(node, ast.Try) and any(h.type is None or re.search(
-                r"ImportError|ModuleNotFound|Exception", ast.unparse(h.type)) for h in node.handlers):
-            tid = f"{where}:{node.lineno}"
-            for part, label in ((node.body, f"try:{tid}"), (node.handlers, f"except:{tid}"),
-                                (node.orelse + node.finalbody, "")):
-                yield from _imports(ast.Module(part, []), where, guard or label)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
-            yield from ((node.module or "", a.name, f"{where}:{node.lineno}", inner) for a in node.names)
-        elif isinstance(node, ast.Import):
-            yield from ((a.name, "", f"{where}:{node.lineno}", inner) for a in node.names if a.name.startswith("vllm."))
-        else:
-            yield from _imports(node, where, inner)
 
 
 def package_uses(pkg_dir: Path = PACKAGE_DIR) -> PackageUses:
     uses, ours = PackageUses(), {t.split(":")[1]: t for _, _, t in PAIRS}
     for file in sorted(pkg_dir.rglob("*.py")):
         where, tree = str(file.relative_to(pkg_dir.parent)), ast.parse(file.read_text())
-        uses.imports += _imports(tree, where)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "KVConnectorRole":
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "KVConnectorRole":
                 uses.role_members.add(node.attr)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                typed = {a.arg for a in node.args.args if a.annotation and "KVConnectorOutput" in ast.unparse(a.annotation)}
+                typed = {a.arg for a in node.args.args
+                         if a.annotation is not None and "KVConnectorOutput" in ast.unparse(a.annotation)}
                 uses.output_fields |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                                       and isinstance(n.value, ast.Name) and n.value.id in typed}
+                                       and getattr(n.value, "id", "") in typed}
             elif isinstance(node, ast.ClassDef) and node.name in ours:
-                sites = call_sites(where, ast.Module([node], []), node.name)
-                uses.base_calls[ours[node.name]] = [s for s in sites if s.kind == "call"]
+                uses.base_calls[ours[node.name]] = call_sites(where, ast.Module([node], []), node.name)
     return uses
 
 
@@ -380,12 +320,12 @@ def bind(params: tuple[Param, ...], site: CallSite) -> str | None:
         if kw not in {p.name for p in params if p.kind in ("pos", "kwonly")} and not _has(params, "varkw"):
             return f"keyword {kw!r} passed, no such parameter"
         bound.add(kw)
-    missing = [p.name for p in params if p.kind in ("posonly", "pos", "kwonly") and not p.default and p.name not in bound]
+    missing = [p.name for p in params if p.kind not in ("varpos", "varkw") and not p.default and p.name not in bound]
     return f"required {missing} not passed" if missing and not site.star else None
 
 
 def override_problems(base: Method, ours: Method) -> list[tuple[str, str]]:
-    """(level, why) for our override of a base method: same required parameters in the same order."""
+    """(level, why) for our override of a base method: the same required parameters in the same order."""
     if base.kind != ours.kind:
         return [("hard", f"a {base.kind} in the release, a {ours.kind} in ours")]
     out: list[tuple[str, str]] = []
@@ -403,8 +343,8 @@ def override_problems(base: Method, ours: Method) -> list[tuple[str, str]]:
             if p.kind == "kwonly" and p.name not in named and not _has(ours.params, "varkw")]
     out += [("hard", f"ours requires keyword-only {p.name!r}, unknown to the release") for p in ours.params
             if p.kind == "kwonly" and not p.default and p.name not in {q.name for q in base.params}]
-    return out + [("warn", f"the release accepts {star}, ours does not") for kind, star in
-                  (("varpos", "*args"), ("varkw", "**kwargs")) if _has(base.params, kind) and not _has(ours.params, kind)]
+    return out + [("warn", f"the release accepts {star}, ours does not") for kind, star in (("varpos", "*args"),
+                  ("varkw", "**kwargs")) if _has(base.params, kind) and not _has(ours.params, kind)]
 
 
 def compare_class(base: ClassInfo, ours: ClassInfo, topic: str) -> list[Finding]:
@@ -424,57 +364,57 @@ def resolve(name: str, classes: list[ClassInfo]) -> tuple[Method | None, str]:
 
 
 def check_calls(sites: list[CallSite], classes: list[ClassInfo], strict: bool = False) -> list[Finding]:
-    """A call our method cannot take is hard; one the release's own base cannot take is only a warning (the
-    receiver is probably another object) unless ``strict``."""
+    """A call our method cannot take is hard; one the release's own base cannot take only warns (the receiver is
+    probably another object) unless ``strict``."""
     found = []
     for s in sites:
         method, owner = resolve(s.method, classes)
-        if s.kind == "read":
-            base_kind = next((c.methods[s.method].kind for c in classes[1:] if s.method in c.methods), None)
-            if base_kind == "property" and method is not None and method.kind != "property":
-                found.append(Finding("hard", "call", f"{s.where}: vLLM reads property {s.method}, ours is a method"))
-        elif method is None:
+        if method is None:
             if not any(s.method in c.attrs for c in classes):
-                found.append(Finding("info", "unresolved", f"{s.where}: {s.receiver}.{s.method} ({s.kind}): no "
-                                     "base class declares it (another object, or an optional hook)"))
-        elif s.kind == "call" and method.kind != "property" and (why := bind(method.params, s)):
+                found.append(Finding("info", "unresolved", f"{s.where}: {s.receiver}.{s.method}(): no base "
+                                     "declares it (another object, or an optional hook)"))
+        elif method.kind != "property" and (why := bind(method.params, s)):
             found.append(Finding("hard" if owner == "ours" or strict else "warn", "call", f"{s.where}: "
                                  f"{s.receiver}.{s.method}(...) cannot bind to {owner} {method.signature()}: {why}"))
     return found
 
 
-def _top_level(nodes: list[ast.stmt]) -> Iterator[ast.stmt]:
-    for node in nodes:
-        yield node
-        if isinstance(node, (ast.If, ast.Try)):
-            yield from _top_level([*node.body, *node.orelse, *getattr(node, "finalbody", []),
-                                   *(s for h in getattr(node, "handlers", []) for s in h.body)])
-
-
-def module_defines(source: Source, module: str, name: str) -> bool | None:
-    """Whether ``from module import name`` works on the release; None: cannot tell (module __getattr__)."""
-    path = module.replace(".", "/")
-    text = source.read(path + ".py") or source.read(path + "/__init__.py")
-    if text is None or not name or source.read(f"{path}/{name}.py") or source.read(f"{path}/{name}/__init__.py"):
-        return text is not None
-    defined: set[str] = set()
-    for node in _top_level(ast.parse(text).body):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return True if name in defined else None if "__getattr__" in defined else False
-
-
 # ------------------------------------------------------------------------------------------------ report
 
-def _members(info: ClassInfo | None) -> dict[str, str]:
-    if info is None:
-        return {}
-    return {**{n: f"{n} = {v}" for n, v in info.attrs.items()}, **{f"{n}()": m.signature() for n, m in info.methods.items()}}
+def _our_classes(rel: dict[str, dict[str, ClassInfo]], old: dict[str, dict[str, ClassInfo]],
+                 ours: dict[str, ClassInfo], uses: PackageUses) -> Iterator[Finding]:
+    """Each of our classes against its release bases: abstract methods, overrides, our calls into the base."""
+    for target in dict.fromkeys(t for _, _, t in PAIRS if t in ours):
+        pairs, mine = [(p, c) for p, c, t in PAIRS if t == target], ours[target]
+        yield from (Finding("hard", "shape", f"{p} lacks {c} (ours: {target})") for p, c in pairs if c not in rel[p])
+        bases = [rel[p][c] for p, c in pairs if c in rel[p]]
+        for base in bases:
+            yield from compare_class(base, mine, "override" if target == CONNECTOR else "shape")
+        calls = [s for s in uses.base_calls.get(target, []) if s.receiver == "super()" or s.method not in mine.methods]
+        was_base = {m for p, c in pairs for m in old[p].get(c, ClassInfo(c)).methods}
+        yield from (Finding("hard", "our call", f"{s.where}: ours calls {s.receiver}.{s.method}(), which the "
+                            "release's base no longer has") for s in calls
+                    if s.method in was_base and resolve(s.method, bases)[0] is None)
+        yield from (f for f in check_calls(calls, [ClassInfo("-"), *bases], strict=True) if f.level != "info")
+
+
+def _shapes(rel: dict[str, dict[str, ClassInfo]], uses: PackageUses) -> Iterator[Finding]:
+    role, results = rel[BASE].get("KVConnectorRole"), rel[BASE].get("KVConnectorTransferResults")
+    yield from (Finding("hard", "shape", f"KVConnectorRole.{m} (used by vllm_kvp2p) is gone")
+                for m in sorted(uses.role_members - set(role.attrs if role else ())))
+    if results is None:
+        yield Finding("warn", "shape", "no KVConnectorTransferResults: compat falls back to get_finished")
+    elif tuple(n for n, _ in results.fields[:3]) != TRANSFER_RESULTS_FIELDS or \
+            not all(has_default for _, has_default in results.fields[3:]):
+        yield Finding("hard", "shape", f"KVConnectorTransferResults fields {results.fields}; connector.py passes "
+                      f"{TRANSFER_RESULTS_FIELDS} positionally")
+    output = rel[OUTPUTS].get("KVConnectorOutput")
+    if missing := sorted(uses.output_fields - set(output.attrs if output else ())):
+        yield Finding("hard", "shape", f"KVConnectorOutput lacks {missing}, which vllm_kvp2p reads")
+
+
+def _members(info: ClassInfo | None) -> Any:
+    return info and (info.attrs, info.fields, {n: m.signature() for n, m in info.methods.items()})
 
 
 def check_release(label: str, source: Source, baseline: Source, ours: dict[str, ClassInfo],
@@ -483,64 +423,27 @@ def check_release(label: str, source: Source, baseline: Source, ours: dict[str, 
     old = {p: parse_classes(baseline.read(p) or "") for p in (BASE, METRICS, OUTPUTS)}
     if "KVConnectorBase_V1" not in rel[BASE]:
         raise SystemExit(f"{label}: no KVConnectorBase_V1 in {BASE}")
-    found: list[Finding] = []
-    for target in dict.fromkeys(t for _, _, t in PAIRS if t in ours):  # each of our classes against its bases
-        pairs = [(p, c) for p, c, t in PAIRS if t == target]
-        found += [Finding("hard", "shape", f"{p} has no class {c} (ours: {target})") for p, c in pairs if c not in rel[p]]
-        bases = [rel[p][c] for p, c in pairs if c in rel[p]]
-        found += [f for b in bases for f in compare_class(b, ours[target], "override" if target == CONNECTOR else "shape")]
-        calls = [s for s in uses.base_calls.get(target, []) if s.receiver == "super()" or s.method not in ours[target].methods]
-        was_base = {m for p, c in pairs for m in old[p].get(c, ClassInfo(c)).methods}
-        found += [Finding("hard", "our call", f"{s.where}: ours calls {s.receiver}.{s.method}(), which the release's "
-                          "base no longer has") for s in calls if s.method in was_base and not resolve(s.method, bases)[0]]
-        found += [f for f in check_calls(calls, [ClassInfo("-"), *bases], strict=True) if f.level != "info"]
-    conn_bases = [rel[BASE]["KVConnectorBase_V1"], rel[BASE].get("SupportsHMA", ClassInfo("SupportsHMA"))]
-    mine = ours.get(CONNECTOR, ClassInfo("-"))
-    sites = release_call_sites(source)
-    found += check_calls(sites, [mine, *conn_bases])
-    role, results, output = (rel[BASE].get("KVConnectorRole"), rel[BASE].get("KVConnectorTransferResults"),
-                             rel[OUTPUTS].get("KVConnectorOutput"))
-    found += [Finding("hard", "shape", f"KVConnectorRole.{m} (used by vllm_kvp2p) is gone")
-              for m in sorted(uses.role_members - set(role.attrs if role else ()))]
-    if results is None:
-        found.append(Finding("warn", "shape", "no KVConnectorTransferResults: compat falls back to get_finished"))
-    elif tuple(n for n, _ in results.fields[:3]) != TRANSFER_RESULTS_FIELDS or not all(d for _, d in results.fields[3:]):
-        found.append(Finding("hard", "shape", f"KVConnectorTransferResults fields {results.fields}; connector.py "
-                             f"passes {TRANSFER_RESULTS_FIELDS} positionally"))
-    if missing := sorted(uses.output_fields - set(output.attrs if output else ())):
-        found.append(Finding("hard", "shape", f"KVConnectorOutput lacks {missing}, which vllm_kvp2p reads"))
-    imports = [(m, n, w, g, module_defines(source, m, n)) for m, n, w, g in uses.imports if g != "typing"]
-    failed_try = {g[4:] for *_, g, ok in imports if g.startswith("try:") and ok is False}
-    for module, name, where, guard, ok in imports:
-        if ok is not True and not (guard.startswith("except:") and guard[7:] not in failed_try):
-            found.append(Finding("warn" if ok is None or guard.startswith("try:") else "hard", "import",
-                                 f"{where}: from {module} import {name}: " + ("module __getattr__, cannot tell"
-                                 if ok is None else "not found" + (" (ImportError caught)" * guard.startswith("try:")))))
-    old_all = {**old[BASE].get("SupportsHMA", ClassInfo("")).methods, **old[BASE]["KVConnectorBase_V1"].methods}
-    new_all = {**conn_bases[1].methods, **conn_bases[0].methods}
-    by_method: dict[str, list[str]] = {}
+    bases = [rel[BASE]["KVConnectorBase_V1"], rel[BASE].get("SupportsHMA", ClassInfo("SupportsHMA"))]
+    mine, sites = ours.get(CONNECTOR, ClassInfo("-")), release_call_sites(source)
+    found = [*_our_classes(rel, old, ours, uses), *check_calls(sites, [mine, *bases]), *_shapes(rel, uses)]
+    before = {**old[BASE].get("SupportsHMA", ClassInfo("")).methods, **old[BASE]["KVConnectorBase_V1"].methods}
+    after = {**bases[1].methods, **bases[0].methods}
+    at: dict[str, list[str]] = {}
     for s in sites:
-        if s.method in new_all or s.method in mine.methods:
-            by_method.setdefault(s.method, []).append(s.where + ("" if s.kind == "call" else f" ({s.kind})"))
-    shapes = {}
-    for path, cls in SHAPES:
-        before, after = _members(old[path].get(cls)), _members(rel[path].get(cls))
-        if before != after:
-            shapes[cls] = dict(added=[after[k] for k in after if k not in before],
-                               removed=[before[k] for k in before if k not in after],
-                               changed=[f"{before[k]} -> {after[k]}" for k in after if k in before and before[k] != after[k]])
+        if s.method in after or s.method in mine.methods:
+            at.setdefault(s.method, []).append(s.where)
     return dict(
         release=label, source=source.label, call_sites=len(sites),
         **{level: [asdict(f) for f in found if f.level == level] for level in ("hard", "warn", "info")},
-        hooks_called={n: dict(by=resolve(n, [mine, *conn_bases])[1], at=w) for n, w in sorted(by_method.items())},
+        hooks_called={n: dict(by=resolve(n, [mine, *bases])[1], at=w) for n, w in sorted(at.items())},
         new_methods=[dict(name=n, signature=m.signature(), default=m.body, overridden_by_ours=n in mine.methods,
-                          called_at=by_method.get(n, [])) for n, m in sorted(new_all.items()) if n not in old_all],
+                          called_at=at.get(n, [])) for n, m in sorted(after.items()) if n not in before],
         removed_methods=[dict(name=n, signature=m.signature(), overridden_by_ours=n in mine.methods)
-                         for n, m in sorted(old_all.items()) if n not in new_all],
-        changed_signatures=[dict(name=n, before=old_all[n].signature(), after=m.signature(),
-                                 overridden_by_ours=n in mine.methods) for n, m in sorted(new_all.items())
-                            if n in old_all and old_all[n].signature() != m.signature()],
-        shape_changes=shapes)
+                         for n, m in sorted(before.items()) if n not in after],
+        changed_signatures=[dict(name=n, before=before[n].signature(), after=m.signature(),
+                                 overridden_by_ours=n in mine.methods) for n, m in sorted(after.items())
+                            if n in before and before[n].signature() != m.signature()],
+        helper_classes_changed=[c for p, c in SHAPES if _members(old[p].get(c)) != _members(rel[p].get(c))])
 
 
 def format_report(r: dict[str, Any], verbose: bool = False) -> str:
@@ -552,24 +455,23 @@ def format_report(r: dict[str, Any], verbose: bool = False) -> str:
     for name, h in r["hooks_called"].items():
         at = h["at"] if verbose or len(h["at"]) < 4 else h["at"][:2] + [f"+{len(h['at']) - 2} more"]
         out.append(f"  {name}: {h['by'] or 'UNRESOLVED'}: {', '.join(at)}")
-    out.append(f"new methods since the baseline ({len(r['new_methods'])}):")
+    out.append(f"new since the baseline ({len(r['new_methods'])}):")
     for m in r["new_methods"]:
-        out += [f"  {m['signature']}; ours overrides: {m['overridden_by_ours']}; "
-                f"called at: {', '.join(m['called_at']) or 'nowhere'}", f"      default: {m['default']}"]
+        out += [f"  {m['signature']}; ours overrides: {m['overridden_by_ours']}; called at: "
+                f"{', '.join(m['called_at']) or 'nowhere'}", f"      default: {m['default']}"]
     out.append(f"removed since the baseline ({len(r['removed_methods'])}):")
     out += [f"  {m['signature']}; ours overrides: {m['overridden_by_ours']}" for m in r["removed_methods"]]
     out.append(f"changed signatures since the baseline ({len(r['changed_signatures'])}):")
-    out += [f"  {c['before']} -> {c['after']}; ours overrides: {c['overridden_by_ours']}" for c in r["changed_signatures"]]
-    out.append(f"helper classes changed since the baseline: {', '.join(r['shape_changes']) or 'none'} "
+    out += [f"  {c['before']} -> {c['after']}; ours: {c['overridden_by_ours']}" for c in r["changed_signatures"]]
+    out.append(f"helper classes changed since the baseline: {', '.join(r['helper_classes_changed']) or 'none'} "
                f"(of {', '.join(c for _, c in SHAPES)})")
-    out += [f"  {cls} {kind}: {item}" for cls, d in r["shape_changes"].items() for kind, items in d.items() for item in items]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("versions", nargs="*", default=["0.33.0", "0.34.0"],
-                        help="vLLM versions (the wheel is downloaded once), 'installed', a .whl or a site-packages dir")
+                        help="vLLM versions (each wheel downloaded once), 'installed', a .whl or a site-packages dir")
     parser.add_argument("--json", type=Path, help="also write the reports here")
     parser.add_argument("--verbose", action="store_true", help="every call site, and receivers left unresolved")
     parser.add_argument("--from-source", action="store_true", help="parse our classes instead of importing them")

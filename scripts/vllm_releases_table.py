@@ -26,7 +26,7 @@ def _key(version: str) -> list[int]:
 def table() -> str:
     runs = json.loads((DOCS / "vllm_releases.json").read_text())
     static_path = DOCS / "vllm_hooks_static.json"
-    static = json.loads(static_path.read_text()) if static_path.exists() else {}
+    static = {r["release"]: r for r in json.loads(static_path.read_text())["releases"]} if static_path.exists() else {}
     rows = ["| vLLM | how it is checked | date | torch | result |", "|---|---|---|---|---|"]
     for version in sorted({*CI_RELEASES, *runs, *static}, key=_key):
         if version in CI_RELEASES:
@@ -45,11 +45,13 @@ def table() -> str:
                         f"| {r['date']} | {r['torch'] or '?'} | {result} |")
         else:
             s = static[version]
-            verdict = "no incompatibility found" if s.get("ok") else "incompatible: " + "; ".join(
-                s.get("problems", [])[:2])
+            hard = s["hard"] if isinstance(s["hard"], int) else len(s["hard"])
+            new = ", ".join(m["name"] + (" (overridden)" if m["overridden_by_ours"] else "") for m in s["new_methods"])
+            verdict = (f"{hard} hard incompatibilities over {s['call_sites']} call sites" if hard else
+                       f"no incompatibility over {s['call_sites']} call sites")
             rows.append(f"| {version} | statically, from its wheel's source: no CPU build "
                         f"(`python scripts/check_vllm_hooks_static.py {version}`) | {s.get('date', '?')} | — | "
-                        f"untested; {verdict} |")
+                        f"untested; {verdict}; new hooks: {new or 'none'} |")
     return "\n".join(rows)
 
 

@@ -171,6 +171,13 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.get_kv_connector_stats() if self.scheduler_side is not None else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No (vLLM >= 0.33 asks when ``--enable-sleep-mode`` is set; older releases never do): sleep frees or
+        remaps the KV cache, which Mooncake has registered for peers to read, and the connector does not unregister
+        and re-register it around sleep."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return metrics.build_kv_connector_stats(data)
 

@@ -755,9 +755,15 @@ def _released_runner_module(release: Release, *, mutate_signature: bool = False)
     for name in _UTILS_FUNCTIONS:
         g[name] = _compile_function(release, UTILS, _function(release.tree(UTILS), name), g)
     _fake_ascend_mla_spec_class(release, g)
+    return _runner_module(release, g, mutate_signature, _RUNNER_METHODS), g
+
+
+def _runner_module(release: Release, g: dict[str, Any], mutate_signature: bool, names: tuple[str, ...]) -> ModuleType:
+    """``vllm_ascend.worker.model_runner_v1`` with an NPUModelRunner of the released runner methods ``names``
+    compiled into ``g`` (the hook's target method given one parameter more when ``mutate_signature``)."""
     nodes = _runner_methods(release)
     methods = {}
-    for name in _RUNNER_METHODS:
+    for name in names:
         node = nodes[name]
         if mutate_signature and name == ascend_hook.TARGET_METHOD:
             node = copy.deepcopy(node)
@@ -765,7 +771,7 @@ def _released_runner_module(release: Release, *, mutate_signature: bool = False)
         methods[name] = _compile_function(release, MODEL_RUNNER, node, g)
     module = ModuleType(ascend_hook.TARGET_MODULE)
     module.NPUModelRunner = type("NPUModelRunner", (), methods)  # type: ignore[attr-defined]
-    return module, g
+    return module
 
 
 class _Group:

@@ -55,6 +55,7 @@ from tests.unit.test_vllm_ascend_release import (
     _pieces_in,
     _requires_dist,
     _runner_methods,
+    _runner_module,
     _shape_function,
     _stub_globals,
     _worst_path,
@@ -354,17 +355,7 @@ def _released_runner_module(release: Release, *, mutate_signature: bool = False)
                       (KV_INTERFACE, "requires_padded_page_layout"),
                       ("vllm_ascend/models/deepseek_v41/cache_config.py", "is_deepseek_v41_cache")):
         g[name] = _compile_function(release, rel, _function(release.tree(rel), name), g)
-    nodes = _runner_methods(release)
-    methods = {}
-    for name in _RUNNER_METHODS:
-        node = nodes[name]
-        if mutate_signature and name == ascend_hook.TARGET_METHOD:
-            node = copy.deepcopy(node)
-            node.args.args.append(ast.arg(arg="kernel_block_sizes"))
-        methods[name] = _compile_function(release, MODEL_RUNNER, node, g)
-    module = ModuleType(ascend_hook.TARGET_MODULE)
-    module.NPUModelRunner = type("NPUModelRunner", (), methods)  # type: ignore[attr-defined]
-    return module, g
+    return _runner_module(release, g, mutate_signature, _RUNNER_METHODS), g
 
 
 def _vllm030_config(groups: list[tuple[Any, list[str]]], num_blocks: int, *, block_outer: bool = False) -> Any:

@@ -41,7 +41,10 @@ from tests.unit.test_vllm_ascend_release import (
     V023,
     V030,
     WORKER,
+    AttentionLayerBase,
+    CacheOnlyAttentionLayer,
     FakeNpu,
+    MLAAttention,
     Release,
     _calls,
     _class,
@@ -279,22 +282,9 @@ class UniformTypeKVCacheSpecs:
         self.kv_cache_specs = kv_cache_specs
 
 
-class AttentionLayerBase:
-    pass
-
-
-class MLAAttention(AttentionLayerBase):
-    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
-        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
-
-
 class Attention(AttentionLayerBase):
     def __init__(self, contiguous_pa: bool = False) -> None:
         self.contiguous_pa = contiguous_pa  # what requires_contiguous_pa_kv_cache decides (paged attention)
-
-
-class CacheOnlyAttentionLayer(AttentionLayerBase):
-    pass
 
 
 def _ascend_spec_classes(release: Release, g: dict[str, Any]) -> dict[str, type]:

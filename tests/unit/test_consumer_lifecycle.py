@@ -339,6 +339,9 @@ def test_stale_results_are_ignored() -> None:
                               "--speculative-config)"),
     ({"layer_names": ["l1", "l0"]}, "P registers the same layers as D in another order"),
     ({"layer_names": ["l0", "x" * 100_000]}, "only P: " + "x" * 80 + " (a"),  # bounded, whatever P sends
+    ({"layer_names": ["l0", "层\u0000é"]}, "only P: 层\u0000é (a"),  # non-ASCII, a NUL: quoted as sent
+    # Many forged names: the comparison is linear and the message names three of them.
+    ({"layer_names": [f"forged.{i}" for i in range(200_000)]}, "only P: forged.0, forged.1, forged.2 ... (a"),
     ({"dtype": "bfloat16"}, "KV cache dtype: P uses bfloat16, D uses float32"),
     ({"total_num_kv_heads": 4}, "total KV heads: P has 4, D has 2"),
     ({"use_mla": True}, "MLA: P True, D False"),

@@ -74,8 +74,9 @@ def _layers_problem(p_layers: Sequence[str], d_layers: Sequence[str]) -> str:
     """Planes are matched by position, so the layers must be the same, in the same order. A speculative-decoding
     draft model (MTP, EAGLE) adds its attention layers to the KV cache: P fills them during its prefill and D
     needs them, so a P without D's ``--speculative-config`` lacks layers D would otherwise decode from garbage."""
-    only_d = [n for n in d_layers if n not in set(p_layers)]
-    only_p = [n for n in p_layers if n not in set(d_layers)]
+    p_set, d_set = set(p_layers), set(d_layers)  # once: P may send any number of names
+    only_d = [n for n in d_layers if n not in p_set]
+    only_p = [n for n in p_layers if n not in d_set]
     if not only_d and not only_p:
         return "KV layers: P registers the same layers as D in another order"
     text = f"KV layers: P has {len(p_layers)}, D has {len(d_layers)}"

@@ -108,6 +108,10 @@ class VllmServerError(RuntimeError):
 # and ZMQ's included, take their source ports) and above Mooncake's own RPC range [15000, 17000]: a port picked
 # from the ephemeral range (bind to 0) could be taken by some connection's source port before the server binds it.
 _LOWEST_PORT = 20000
+# Every port handed out by this process, never handed out again: a port is only probed free, not held, so two
+# picks made before either server binds could otherwise name the same port (CI once gave P's HTTP port to its
+# side channel too, and P never answered /health).
+_handed_out: set[int] = set()
 
 
 def _port_range() -> tuple[int, int]:
@@ -129,12 +133,15 @@ def free_port_run(n: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
     rng = random.Random()
     for _ in range(attempts):
         base = rng.randrange(low, high - n)
+        if _handed_out.intersection(range(base, base + n)):
+            continue
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(s)
                 s.bind((host, port))
+            _handed_out.update(range(base, base + n))
             return base
         except OSError:
             continue

@@ -92,8 +92,9 @@ class KVP2PConfig:
     )
     transfer_timeout: float = setting(
         30.0,
-        "upper bound of one Mooncake read; the one source of Mooncake's `MC_TRANSFER_TIMEOUT` (a different value "
-        "in the environment is replaced, with a WARNING; the value in force is logged). Mooncake's minimum is 5",
+        "upper bound of one Mooncake read; the one source of Mooncake's `MC_TRANSFER_TIMEOUT` and of its `ascend` "
+        "transport's `ASCEND_TRANSFER_TIMEOUT` (one second less, in ms; a different value in the environment is "
+        "replaced, with a WARNING; the values in force are logged). Mooncake's minimum is 5",
     )
     side_channel_timeout: float = setting(
         5.0,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.transfer.timeouts import transport_timeouts
 
 CONNECTOR_NAME = "MooncakeP2PConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -210,17 +211,18 @@ def mooncake_findings(config: KVP2PConfig, advertised: str, protocol: str) -> li
     from vllm_kvp2p.transfer.engine import MooncakeEngine
 
     setting = "device_name" if config.device_name else "protocol"
-    saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+    saved = {name: os.environ.get(name) for name in ("MC_TRANSFER_TIMEOUT", "ASCEND_TRANSFER_TIMEOUT")}
     try:
         engine = MooncakeEngine(advertised, protocol, config.device_name, min(config.transfer_timeout, 10))
     except Exception as exc:  # noqa: BLE001 - whatever Mooncake says is the finding
         return [Finding(PROBLEM, setting, f"a Mooncake engine with protocol {protocol!r} and device "
                         f"{config.device_name!r} on {advertised} does not start: {exc}")]
     finally:
-        if saved is None:
-            os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-        else:
-            os.environ["MC_TRANSFER_TIMEOUT"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     size = 1 << 16
     src, dst = ctypes.create_string_buffer(bytes(range(256)) * (size // 256), size), ctypes.create_string_buffer(size)
     try:
@@ -261,6 +263,14 @@ def extension_findings(config: KVP2PConfig, platform: Any) -> list[Finding]:
     else:
         found.append(Finding(OK, "kv_arena", "the KV arena can be created"))
     return found
+
+
+def timeout_findings(config: KVP2PConfig, protocol: str, env: Mapping[str, str]) -> list[Finding]:
+    """What an engine would warn about Mooncake's timeouts (the same decision: transfer/timeouts.py)."""
+    decided = transport_timeouts(config.transfer_timeout, protocol, env)
+    return [Finding(WARNING, "transfer_timeout", warning) for warning in decided.warnings] or [
+        Finding(OK, "transfer_timeout", "Mooncake's timeouts from it: " + ", ".join(
+            f"{name}={value}" for name, value in decided.env.items()))]
 
 
 def ascend_findings(env: Mapping[str, str], protocol: str) -> list[Finding]:
@@ -352,6 +362,7 @@ def run(kv_transfer_config: Mapping[str, Any], env: Mapping[str, str], tp_size: 
     add(address_findings(config, advertised, is_local_address))
     add(port_findings(config, report.role, tp_size, dp_size, advertised, try_bind))
     add(transport_findings(config, protocol))
+    add(timeout_findings(config, protocol, env))
     if engine:
         add(mooncake_findings(config, advertised, protocol))
     add(extension_findings(config, platform))

@@ -5,8 +5,8 @@ Facts about the engine this adapter exists to contain (measured with the 0.3.13.
 * under P2PHANDSHAKE the engine picks its own RPC port; peers address it as ``host:get_rpc_port()``;
 * more than ~2048 entries in flight to one peer fail and can leave that peer unusable: batches are capped;
 * a descriptor crossing two registered regions fails; registering overlapping regions fails (-7);
-* ``MC_TRANSFER_TIMEOUT`` (>= 5 s) bounds every blocking read, and is read when the engine is constructed (set
-  here from ``transfer_timeout``, replacing any other value);
+* ``MC_TRANSFER_TIMEOUT`` (>= 5 s) bounds every blocking read and ``ASCEND_TRANSFER_TIMEOUT`` one ``ascend``
+  transfer; both are read when the engine is constructed (set here from ``transfer_timeout``, transfer/timeouts.py);
 * 0.3.11.post1 (the release vllm-ascend 0.23 pairs with) registers memory without a ``location`` argument and
   detects the memory kind itself; 0.3.13 takes it. The adapter passes it only where the engine accepts it.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.transfer.descriptors import Descriptors
+from vllm_kvp2p.transfer.timeouts import transport_timeouts
 
 logger = get_logger(__name__)
 
@@ -45,15 +46,12 @@ class MooncakeEngine:
     """One initialized Mooncake transfer engine and the regions registered with it."""
 
     def __init__(self, host: str, protocol: str, device_name: str = "", transfer_timeout: float = 30.0) -> None:
-        # Read by TransferEngine's constructor. transfer_timeout is the one source: the lease timers are checked
-        # against it (vllm_kvp2p/config.py), so a different MC_TRANSFER_TIMEOUT in the environment is replaced.
-        in_force = str(max(5, int(round(transfer_timeout))))
-        given = os.environ.get("MC_TRANSFER_TIMEOUT")
-        if given is not None and given.strip() != in_force:
-            logger.warning("MC_TRANSFER_TIMEOUT=%s in the environment replaced by %s s from transfer_timeout "
-                           "(VLLM_KVP2P_TRANSFER_TIMEOUT), which the lease timers are checked against", given, in_force)
-        os.environ["MC_TRANSFER_TIMEOUT"] = in_force
-        self.transfer_timeout = int(in_force)
+        # Read by TransferEngine's constructor; decided from transfer_timeout alone (transfer/timeouts.py).
+        timeouts = transport_timeouts(transfer_timeout, protocol, os.environ)
+        for warning in timeouts.warnings:
+            logger.warning("%s", warning)
+        os.environ.update(timeouts.env)
+        self.transfer_timeout = timeouts.transfer_timeout_s
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             from mooncake.engine import TransferEngine
@@ -74,8 +72,9 @@ class MooncakeEngine:
         self.segment = f"{host}:{engine.get_rpc_port()}"
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
-        logger.info("Mooncake engine up: segment %s, protocol %s, MC_TRANSFER_TIMEOUT %d s", self.segment, protocol,
-                    self.transfer_timeout)
+        logger.info("Mooncake engine up: segment %s, protocol %s, MC_TRANSFER_TIMEOUT %d s, "
+                    "ASCEND_TRANSFER_TIMEOUT %s ms", self.segment, protocol, self.transfer_timeout,
+                    timeouts.env["ASCEND_TRANSFER_TIMEOUT"])
 
     @property
     def regions(self) -> list[tuple[int, int]]:

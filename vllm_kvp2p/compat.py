@@ -250,6 +250,25 @@ def node_ip() -> str:
     return str(get_ip())
 
 
+def gather_over_tensor_parallel_group(obj: Any) -> list[Any] | None:
+    """``obj`` of every rank of this engine's tensor-parallel group, in rank order (a collective: every rank must
+    call it), over vLLM's CPU process group (gloo, across nodes too). None when there is no such group: one rank,
+    or no vLLM distributed set-up (a worker built by hand)."""
+    import torch.distributed as dist
+
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except (ImportError, AssertionError):  # vLLM asserts the group was initialised
+        return None
+    if not dist.is_initialized() or group.world_size <= 1:
+        return None
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
     """KV-cache groups that take part in KV transfer: vLLM 0.32 lets a group opt out (``enable_kv_transfer``,
     ``KVCacheConfig.transfer_group_ids``); in 0.23 every group does."""

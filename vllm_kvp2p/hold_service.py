@@ -30,8 +30,10 @@ from vllm_kvp2p.protocol import (
     ClaimStatus,
     DigestQuery,
     ErrorReply,
+    GetRankTable,
     GetRegistration,
     RankRegistration,
+    RankTable,
     Registration,
     Release,
     Released,
@@ -72,6 +74,8 @@ class HoldService:
         over its KV memory); None answers no integrity question (D counts its pulls unverified).
         ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock)."""
         self.registration = registration
+        # Every rank of this engine (set once the ranks gathered it, vllm_kvp2p/worker.py); None: not yet.
+        self.rank_table: RankTable | None = None
         self._on_release = on_release
         self._digester = digester
         self.ledger = ProducerLedger(
@@ -149,6 +153,10 @@ class HoldService:
                             f"this is rank {self.registration.tp_rank}, asked for rank {message.tp_rank}"
                         )
                     return Registration(self.registration)
+                if isinstance(message, GetRankTable):
+                    if self.rank_table is None:
+                        return ErrorReply(f"rank {self.registration.tp_rank}: the rank table is not ready")
+                    return self.rank_table
                 if isinstance(message, Claim):
                     reply = self.ledger.claim(
                         message.request_id, message.hold_id, message.reader, message.expected_readers, now,

@@ -26,8 +26,9 @@ from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 # 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params; 4: block interiors with parts
-# (vLLM CPU's K and V halves), params bound to their prompt, claims with D's deadline
-PROTOCOL_VERSION = 4
+# (vLLM CPU's K and V halves), params bound to their prompt, claims with D's deadline; 5: rank tables (ranks of one
+# engine on several nodes)
+PROTOCOL_VERSION = 5
 
 # Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone): part of
 # the type, so converting a client's dict refuses anything outside them (naming the field) before any check runs.
@@ -146,6 +147,18 @@ class GetRegistration(msgspec.Struct, frozen=True, tag="get_registration"):
     tp_rank: int
 
 
+class GetRankTable(msgspec.Struct, frozen=True, tag="get_rank_table"):
+    """D asks P's entry point (the params' ``remote_host:remote_port``) where each rank of that engine listens."""
+
+
+class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
+    """Where one P rank's side channel listens, as that rank advertises it (its own node's address)."""
+
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
 class Claim(msgspec.Struct, frozen=True, tag="claim"):
     """D asks P to pin a hold's blocks while it reads them (a lease)."""
 
@@ -231,6 +244,15 @@ class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
     registration: RankRegistration | None = None  # this rank's, when the claim asked for it
 
 
+class RankTable(msgspec.Struct, frozen=True, tag="rank_table"):
+    """Every rank of one P engine (one incarnation), gathered over vLLM's process groups at registration: the ranks
+    of an engine that spans nodes listen on their own nodes' addresses (vllm_kvp2p/lifecycle/rank_table.py)."""
+
+    engine_id: Id
+    incarnation: OptionalId
+    ranks: Annotated[list[RankEndpoint], msgspec.Meta(max_length=MAX_TP_SIZE)]
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
     pass
 
@@ -247,8 +269,8 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
-Request = Union[GetRegistration, Claim, Renew, Release]
-Reply = Union[Registration, ClaimReply, Ack, Released, ErrorReply]
+Request = Union[GetRegistration, GetRankTable, Claim, Renew, Release]
+Reply = Union[Registration, RankTable, ClaimReply, Ack, Released, ErrorReply]
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

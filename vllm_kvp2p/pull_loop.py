@@ -43,9 +43,11 @@ from vllm_kvp2p.lifecycle.pull import (
 from vllm_kvp2p.lifecycle.pull_actions import FAILURE_HINTS
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
+    ANY_PORT,
     MAX_TP_SIZE,
     ClaimReply,
     GetRegistration,
+    PortRanges,
     RankRegistration,
     Registration,
     Released,
@@ -53,6 +55,7 @@ from vllm_kvp2p.protocol import (
     Request,
 )
 from vllm_kvp2p.pull_lanes import MAX_PEERS, Lane, LaneTable
+from vllm_kvp2p.rank_tables import RankTables
 from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
@@ -100,6 +103,7 @@ class PullLoop:
         sampled_units: int = 4,
         sampled_pulls: float = 1.0,
         memory: KVMemory | None = None,
+        peer_ports: PortRanges = ANY_PORT,
     ) -> None:
         """``on_result``: called (on a pull thread) after each result is ready for :meth:`take_results`.
         ``integrity``: which units of each pull are verified (vllm_kvp2p/lifecycle/integrity.py), summed in
@@ -132,6 +136,7 @@ class PullLoop:
         # accepted it (it matched the params and this D); dropped whenever a pull with it fails. Keyed by
         # endpoint, not by the engine id the params claim, so params naming another host cannot replace it.
         self._registrations: OrderedDict[tuple[str, int], RankRegistration] = OrderedDict()
+        self.rank_tables = RankTables(peer_ports)  # where each rank of a P engine listens
         self._results: list[TimedResult] = []
         self._results_lock = threading.Lock()
         self.max_threads = max(1, max_threads)
@@ -156,6 +161,7 @@ class PullLoop:
             "instances": instances,
             "suspects": sum(until > time.monotonic() for until in list(self._suspects.values())),
             "registrations": len(self._registrations),
+            "rank_tables": len(self.rank_tables),
             "sockets": sum(c.open_sockets for c in clients),
             "results": len(self._results),
         }
@@ -232,6 +238,8 @@ class PullLoop:
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
         if sources and not plan.error:
             plan = self._check_suspect(plan, (plan.remote.remote_host, plan.remote.remote_port), sources[0], client)
+        if sources and not plan.error:
+            plan = self.rank_tables.resolve(plan, client, self.side_channel_timeout)
         return plan, sources, self._new_pull(plan, sources)
 
     def _new_pull(self, plan: PullPlan, sources: tuple[Source, ...]) -> ConsumerPull:
@@ -266,7 +274,7 @@ class PullLoop:
                 self._claim_seconds[plan.request_id] = time.monotonic() - started
             if isinstance(action, Finish):
                 if job.failed:
-                    self._forget(host, base_port, sources)
+                    self._forget(plan, sources)
                 self._note_outcome(instance, action.result)
                 return action.result
             if job.failed and not failure_out:
@@ -290,7 +298,7 @@ class PullLoop:
         elif isinstance(action, Wait):
             time.sleep(max(0.0, min(0.05, action.until - time.monotonic())))
         elif isinstance(action, FetchRegistration):
-            endpoint = (host, base_port + action.source.p_rank)
+            endpoint = plan.p_endpoint(action.source.p_rank)
             cached = self._registrations.get(endpoint)
             r = plan.remote
             if cached is not None and (cached.engine_id, cached.incarnation) != (r.remote_engine_id,
@@ -311,14 +319,14 @@ class PullLoop:
             elif cached is not None:  # these params do not fit it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
-            endpoint = (host, base_port + action.source.p_rank)
+            endpoint = plan.p_endpoint(action.source.p_rank)
             reply, err, unauthenticated = self._ask(client, *endpoint, action.message, job, ClaimReply)
             if (job.on_claim_reply(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
                     and reply is not None):
                 assert reply.registration is not None
                 _put_recent(self._registrations, endpoint, reply.registration)
         elif isinstance(action, SendRenew):
-            reply, err, unauthenticated = self._ask(client, host, base_port + action.source.p_rank, action.message,
+            reply, err, unauthenticated = self._ask(client, *plan.p_endpoint(action.source.p_rank), action.message,
                                                     job, ClaimReply)
             job.on_renewed(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
         elif isinstance(action, ReadBatch):
@@ -356,7 +364,7 @@ class PullLoop:
                 # timeout frees the blocks if this one is lost too.
                 budget = min(budget, PROBE_TIMEOUT_S)
             try:
-                answer = client.request(host, base_port + action.source.p_rank, action.message, timeout=budget,
+                answer = client.request(*plan.p_endpoint(action.source.p_rank), action.message, timeout=budget,
                                         meanwhile=local_sums if action.verification is not None else None)
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
@@ -421,8 +429,8 @@ class PullLoop:
             self._suspects.pop(instance, None)
             return plan
         host, base_port = instance
-        try:
-            client.request(host, base_port + source.p_rank, GetRegistration(source.p_rank), timeout=PROBE_TIMEOUT_S)
+        try:  # the entry point (rank 0) answers for the engine: the other ranks' endpoints may not be known yet
+            client.request(host, base_port, GetRegistration(0), timeout=PROBE_TIMEOUT_S)
         except Unauthenticated:
             pass  # it answered: up (the pull says why it refused)
         except SideChannelError as exc:
@@ -439,10 +447,12 @@ class PullLoop:
         elif result.outcome is not Outcome.FAILED:
             self._suspects.pop(instance, None)
 
-    def _forget(self, host: str, base_port: int, sources: tuple[Source, ...]) -> None:
-        """A failed pull drops the registrations it used: the next pull from that P fetches and checks afresh."""
+    def _forget(self, plan: PullPlan, sources: tuple[Source, ...]) -> None:
+        """A failed pull drops the registrations and the rank table it used: the next pull from that P fetches and
+        checks afresh."""
         for source in sources:
-            self._registrations.pop((host, base_port + source.p_rank), None)
+            self._registrations.pop(plan.p_endpoint(source.p_rank), None)
+        self.rank_tables.forget((plan.remote.remote_host, plan.remote.remote_port))
 
     @staticmethod
     def _ask(

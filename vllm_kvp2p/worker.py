@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
+from vllm_kvp2p.compat import data_parallel_index, gather_over_tensor_parallel_group, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.identity import incarnation, model_fingerprint
@@ -24,11 +24,12 @@ from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, lay
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
+from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.platform.base import KVArenaLike
-from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
+from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration, RankTable
 from vllm_kvp2p.pull_loop import PullLoop
 from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.step_wakeup import StepNotifier
@@ -141,6 +142,21 @@ class WorkerSide:
                 f"{limit}; allocate it from the connector's arena (get_mem_pool_context) instead"
             )
         return regions, "per-tensor (touching tensors merged)"
+
+    def _gather_rank_table(self, incarnation_id: str, port: int) -> RankTable:
+        """Where every rank of this engine listens, each as it advertises itself (its own node's address when the
+        engine spans nodes): gathered over vLLM's tensor-parallel group, a collective of all this engine's ranks.
+        Without a group (a worker built by hand), the ranks are assumed on this host at consecutive ports."""
+        mine = (self.tp_rank, self.advertised_host, port)
+        gathered = gather_over_tensor_parallel_group(mine)
+        if gathered is None:
+            base = port - self.tp_rank
+            gathered = [(r, self.advertised_host, base + r) for r in range(self.tp_size)]
+        table = table_of(self.engine_id, incarnation_id, {int(r): (str(h), int(p)) for r, h, p in gathered})
+        if self.tp_rank == 0 and self.tp_size > 1:
+            logger.info("rank table of engine %s: %s", self.engine_id,
+                        ", ".join(f"rank {e.tp_rank} at {e.host}:{e.port}" for e in table.ranks))
+        return table
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
@@ -256,6 +272,7 @@ class WorkerSide:
                 clock_skew=config.clock_skew, on_release=self._step_news.notify,
                 digester=functools.partial(sums_of_units, memory, registration.planes),
             )
+            self.hold_service.rank_table = self._gather_rank_table(registration.incarnation, port)
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
             "protocol v%d; settings: %s",
@@ -286,6 +303,7 @@ class WorkerSide:
                 sampled_units=config.integrity_sampled_units,
                 sampled_pulls=config.integrity_sampled_pulls,
                 memory=memory,
+                peer_ports=config.peer_port_ranges(),
             )
 
     # ------------------------------------------------------------------ per step

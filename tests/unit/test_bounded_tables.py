@@ -65,7 +65,7 @@ def test_idle_loop_reports_empty_tables() -> None:
     loop = _loop()
     try:
         assert loop.table_sizes() == {"queued_plans": 0, "instances": 0, "suspects": 0, "registrations": 0,
-                                      "sockets": 0, "results": 0}
+                                      "rank_tables": 0, "sockets": 0, "results": 0}
     finally:
         assert loop.close(read_timeout=1.0)
 

@@ -368,7 +368,7 @@ def test_incompatible_geometry_is_refused_at_handshake_with_both_values(change: 
     ({"tp_rank": -1}, "it is rank -1 of 1"),
     ({"tp_size": 10**9}, "rank 0 of 1000000000"),
     ({"engine_id": "x" * 100_000}, "answers for engine xxx"),
-    ({"segment": "10.6.6.6:15000"}, "is not on the params' host"),
+    ({"segment": "10.6.6.6:15000"}, "is not on the host of P rank"),
     ({"protocol_version": -1}, "protocol version: P speaks -1"),
     ({"planes": [PlaneGeometry(1 << 62, 512, 512, 100)] * 2}, ""),  # absurd addresses: the read would go there
 ])

@@ -172,7 +172,7 @@ def pull(**params: object) -> ConsumerPull:
     ({"engine_id": "Q"}, {}, "answers for engine Q, the params name engine P"),
     ({"incarnation": "inc0"}, {}, "P restarted: the params are from incarnation inc1, its side channel serves inc0"),
     ({"tp_size": 2}, {}, "it is rank 0 of 2, the params name rank 0 of 1"),
-    ({"segment": "10.6.6.6:16001"}, {}, "Mooncake segment '10.6.6.6:16001' is not on the params' host"),
+    ({"segment": "10.6.6.6:16001"}, {}, "Mooncake segment '10.6.6.6:16001' is not on the host of P rank"),
     ({"model_fingerprint": "model-b"}, {}, "model: P serves fingerprint model-b, D model-a"),
     ({}, {"remote_block_ids": [[10, 11, 12, 100]]}, "the params name blocks beyond the 100 blocks of P rank 0"),
 ])

@@ -26,6 +26,7 @@ from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
+from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.platform.cpu import CpuPlatform
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
@@ -108,7 +109,10 @@ class Truth:
 
 
 def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int, d_bs: int, n_tokens: int,
-               first_token: int = 0, dtype: torch.dtype = torch.float32) -> None:
+               first_token: int = 0, dtype: torch.dtype = torch.float32, single_host_table: bool = False) -> None:
+    """P rank r listens on its own engine's host (``ranks`` may put P's ranks on several loopback addresses, as an
+    engine spanning nodes). ``single_host_table``: P's entry point serves the former single-host assumption (every
+    rank on rank 0's host): then no pull succeeds when the ranks are on several hosts."""
     p_ranks, d_ranks = ranks
     p_layout, d_layout = Layout(p_tp, heads, mla), Layout(d_tp, heads, mla)
     engine_id, req = "P-" + uuid.uuid4().hex[:6], "req-" + uuid.uuid4().hex[:6]
@@ -131,14 +135,19 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
         reg = RankRegistration(engine_id, r, p_tp, p_ranks[r].engine.segment, planes, shapes,
                                [f"layer.{i}" for i in range(LAYERS)], p_bs, p_num_blocks[r], str(dtype)[6:],
                                p_layout.heads_per_rank, heads, HEAD_DIM, use_mla=mla)
-        # D addresses P rank r at base_port + r, as P's worker r listens in a real engine.
-        holds.append(HoldService(reg, "127.0.0.1", base_port + r, hold_timeout=30, lease_timeout=30,
+        # P rank r listens on its own host at base_port + r, as P's worker r does in a real engine.
+        holds.append(HoldService(reg, p_ranks[r].engine.host, base_port + r, hold_timeout=30, lease_timeout=30,
                                  digester=functools.partial(sums_of_units, KVMemory(tensors), planes)))
+    entry_host = p_ranks[0].engine.host
+    advertised = {r: (entry_host if single_host_table else p_ranks[r].engine.host, base_port + r)
+                  for r in range(p_tp)}
+    for hs in holds:  # what the ranks gather over vLLM's TP group in a real engine (vllm_kvp2p/worker.py)
+        hs.rank_table = table_of(engine_id, "", advertised)
     try:
         for hs in holds:
             hs.hold(req, "hold-1", len(p_ids))
         first, offset = divmod(first_token, p_bs)
-        remote = RemotePrefill(engine_id, req, "127.0.0.1", base_port, [list(p_ids)], "hold-1", total, p_bs,
+        remote = RemotePrefill(engine_id, req, entry_host, base_port, [list(p_ids)], "hold-1", total, p_bs,
                                tp_size=p_tp)
         loops, d_tensors, d_ids_of, ends = [], [], [], []
         for d in range(d_tp):
@@ -168,10 +177,16 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
                 time.sleep(0.01)
             assert results, f"D rank {d} got no result"
             result = results[0].result
+            if single_host_table:
+                assert result.outcome is Outcome.FAILED, result
+                loop.close()
+                continue
             assert result.outcome is Outcome.PULLED, result.reason
             # every unit D read was summed on both sides and matched, whatever the TP and block sizes cut
             assert result.verified_units > 0 and not result.unverified, result
             loop.close()
+        if single_host_table:
+            return
         # every byte of every pulled block == the kernel's own write of those positions on D's side (both start
         # from the same filler: the pull writes the pulled positions' bytes and nothing else)
         for d in range(d_tp):
@@ -220,3 +235,32 @@ def test_block_size_mismatch(ranks, p_bs: int, d_bs: int, first_token: int, dtyp
 
 def test_block_size_mismatch_at_tp_1(ranks) -> None:
     run_layout(ranks, 1, 1, heads=2, mla=False, p_bs=64, d_bs=32, n_tokens=100, first_token=32)
+
+
+@pytest.fixture(scope="module")
+def spread_ranks() -> Iterator[tuple[list[Rank], list[Rank]]]:
+    """P's ranks on two "nodes" (127.0.0.2 and 127.0.0.3: each rank's engine, segment and side channel there), as
+    an engine spanning hosts; D's on 127.0.0.1."""
+    made: list[Rank] = []
+    try:
+        for host in ("127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3", "127.0.0.1", "127.0.0.1"):
+            engine = MooncakeEngine(host, "tcp", transfer_timeout=5)
+            arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
+            engine.register([(arena.data_ptr(), ARENA_BYTES)])
+            made.append(Rank(engine, arena))
+        yield made[:4], made[4:]
+    finally:
+        for r in made:
+            r.engine.close()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2), (2, 2)])
+def test_p_ranks_on_two_hosts(spread_ranks, p_tp: int, d_tp: int) -> None:
+    """Every D rank finds each P rank where the rank table (gathered by P's ranks) says, and reads its segment on
+    that rank's host."""
+    run_layout(spread_ranks, p_tp, d_tp, heads=4, mla=False, p_bs=16, d_bs=16, n_tokens=70)
+
+
+def test_single_host_assumption_gets_no_pull_when_ranks_span_hosts(spread_ranks) -> None:
+    """The negative control: rank r assumed on the entry point's host (the former rule) reaches nothing there."""
+    run_layout(spread_ranks, 2, 1, heads=4, mla=False, p_bs=16, d_bs=16, n_tokens=70, single_host_table=True)

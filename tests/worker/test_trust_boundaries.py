@@ -16,7 +16,9 @@ from vllm_kvp2p import protocol
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.pull import Outcome
+from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.protocol import Claim, ErrorReply, GetRegistration, Registration, Release, RemotePrefill
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 
@@ -146,7 +148,8 @@ def test_a_registration_whose_segment_is_on_another_host_is_refused() -> None:
         remote = RemotePrefill(p.engine_id, "evil2", "127.0.0.2", port, [[5]], "h", BLOCK, BLOCK)
         p.pulls.submit(PullPlan("d-evil2", remote, ((20,),), ((5,),), True))
         result = p.wait_result()
-        assert result.outcome is Outcome.FAILED and "is not on the params' host '127.0.0.2'" in result.reason
+        assert result.outcome is Outcome.FAILED
+        assert "is not on the host of P rank 0's side channel ('127.0.0.2')" in result.reason
         assert ("127.0.0.2", port) not in p.pulls._registrations
     finally:
         attacker.close()
@@ -174,3 +177,43 @@ def _registration_on(host: str):
     planes, shapes, _ = _planes(_kv(2, 1), 2)
     return protocol.RankRegistration("p6", 0, 1, f"{host}:16001", planes, shapes, ["l"] * len(planes), BLOCK, 2,
                                      "float32", 2, 2, 32)
+
+
+def _forged_table_pull(d: Pair, request: str) -> tuple:
+    """A peer without the secret on 127.0.0.2 serves a rank table putting P's rank 1 on 127.0.0.3; D is sent
+    params (tp_size 2) naming that peer as P's entry point. The result, and the table D holds for that entry."""
+    port, rank1_port = free_port(), free_port()
+    forger = HoldService(d.holds.registration, "127.0.0.2", port, hold_timeout=30, lease_timeout=30)
+    forger.rank_table = table_of(d.engine_id, "", {0: ("127.0.0.2", port), 1: ("127.0.0.3", rank1_port)})
+    try:
+        remote = RemotePrefill(d.engine_id, request, "127.0.0.2", port, [[5]], "h", BLOCK, BLOCK, tp_size=2)
+        d.pulls.submit(PullPlan("d-" + request, remote, ((20,),), ((5,),), True))
+        result = d.wait_result()
+        return result, d.pulls.rank_tables._tables.get(("127.0.0.2", port))
+    finally:
+        forger.close()
+
+
+def test_a_forged_rank_table_from_a_peer_without_the_secret_is_refused(secured: Pair) -> None:
+    result, table = _forged_table_pull(secured, "forged-table")
+    assert result.outcome is Outcome.FAILED and result.failure is Failure.UNAUTHENTICATED, result
+    assert "did not authenticate its rank table" in result.reason
+    assert table is None
+
+
+def test_without_the_secret_the_forged_rank_table_would_be_taken() -> None:
+    """The control: D without the secret takes the same table and would contact the host it names for rank 1."""
+    from vllm_kvp2p.rank_tables import RankTables
+    from vllm_kvp2p.side_channel import SideChannelClient
+
+    port = free_port()
+    forger = HoldService(_registration_on("127.0.0.2"), "127.0.0.2", port, hold_timeout=30, lease_timeout=30)
+    forger.rank_table = table_of("p6", "", {0: ("127.0.0.2", port), 1: ("127.0.0.3", port + 1)})
+    client = SideChannelClient(3.0)
+    try:
+        remote = RemotePrefill("p6", "r", "127.0.0.2", port, [[5]], "h", BLOCK, BLOCK, tp_size=2)
+        plan = RankTables(protocol.ANY_PORT).resolve(PullPlan("d", remote, ((20,),), ((5,),), True), client, 3.0)
+        assert not plan.error and plan.p_endpoint(1) == ("127.0.0.3", port + 1)
+    finally:
+        client.close()
+        forger.close()

@@ -33,9 +33,10 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
                 f"{reg.incarnation or 'none'}")
     if reg.tp_rank != source.p_rank or reg.tp_size != r.tp_size:
         return f"it is rank {reg.tp_rank} of {reg.tp_size}, the params name rank {source.p_rank} of {r.tp_size}"
-    if not _same_address(reg.segment.rpartition(":")[0], r.remote_host):
-        return (f"its Mooncake segment {reg.segment!r} is not on the params' host {r.remote_host!r}; D reads only "
-                "from the host it was sent to")
+    rank_host = plan.p_endpoint(source.p_rank)[0]
+    if not _same_address(reg.segment.rpartition(":")[0], rank_host):
+        return (f"its Mooncake segment {reg.segment[:80]!r} is not on the host of P rank {source.p_rank}'s side "
+                f"channel ({rank_host!r}); D reads only from the host P named")
     if local.model_fingerprint and reg.model_fingerprint != local.model_fingerprint:
         return (f"model: P serves fingerprint {reg.model_fingerprint or 'none'}, D {local.model_fingerprint} "
                 "(the same model on both, vllm_kvp2p/identity.py)")

@@ -54,6 +54,15 @@ class PullPlan:
     remote_token_offset: int = 0  # first token to pull, within remote_block_ids[0] (P blocks larger than D's)
     contact_p: bool = True  # False: P's address in the params is invalid; the plan fails with no network call
     failure: Failure = Failure.INCOMPATIBLE  # what kind of failure ``error`` is
+    # Where each P rank listens, from P's accepted rank table (vllm_kvp2p/lifecycle/rank_table.py); set by D's
+    # worker before the pull starts. Empty (no table fetched): rank r at remote_host:remote_port + r.
+    p_endpoints: tuple[tuple[str, int], ...] = ()
+
+    def p_endpoint(self, p_rank: int) -> tuple[str, int]:
+        """Where P rank ``p_rank``'s side channel listens for this plan."""
+        if p_rank < len(self.p_endpoints):
+            return self.p_endpoints[p_rank]
+        return self.remote.remote_host, self.remote.remote_port + p_rank
 
     @property
     def num_blocks(self) -> int:

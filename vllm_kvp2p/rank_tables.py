@@ -1,0 +1,76 @@
+"""D side: the rank tables of the P engines it pulls from, fetched from each engine's entry point and cached.
+
+The adapter around :mod:`vllm_kvp2p.lifecycle.rank_table` (which decides whether a table may be used): before a
+pull from a P of more than one rank, :meth:`RankTables.resolve` gives the plan the endpoint of every P rank
+(:attr:`PullPlan.p_endpoints`), from a cached table of the same engine and incarnation or from one fetched now
+(one round trip per P incarnation). Bounded like every table keyed by what params name (``MAX_PEERS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+
+from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
+from vllm_kvp2p.lifecycle.rank_table import endpoints_of, entry_only, table_problem
+from vllm_kvp2p.protocol import GetRankTable, PortRanges, RankTable
+from vllm_kvp2p.pull_lanes import MAX_PEERS
+from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
+
+
+class RankTables:
+    """Accepted rank tables by entry point (host, port): keyed by where D asked, not by what a table claims."""
+
+    def __init__(self, peer_ports: PortRanges, max_entries: int = MAX_PEERS) -> None:
+        self.peer_ports = peer_ports
+        self.max_entries = max_entries
+        self._tables: OrderedDict[tuple[str, int], RankTable] = OrderedDict()
+        self._lock = threading.Lock()  # pull threads share the cache
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def resolve(self, plan: PullPlan, client: SideChannelClient, timeout: float) -> PullPlan:
+        """The plan with its P ranks' endpoints, or failed (with no further contact) when P's table cannot be
+        had or must not be used."""
+        remote = plan.remote
+        single = entry_only(remote)
+        if single is not None:
+            return dataclasses.replace(plan, p_endpoints=single)
+        entry = (remote.remote_host, remote.remote_port)
+        with self._lock:
+            table = self._tables.get(entry)
+        if table is None or table_problem(table, remote, self.peer_ports):
+            self.forget(entry)
+            try:
+                reply = client.request(*entry, GetRankTable(), timeout=timeout)
+            except Unauthenticated as exc:
+                return _failed(plan, f"P's entry point {entry[0]}:{entry[1]} did not authenticate its rank table: "
+                                     f"{exc}", Failure.UNAUTHENTICATED)
+            except SideChannelError as exc:
+                return _failed(plan, f"P's entry point {entry[0]}:{entry[1]} did not give its rank table: {exc}",
+                               Failure.UNREACHABLE)
+            if not isinstance(reply, RankTable):
+                return _failed(plan, f"P's entry point {entry[0]}:{entry[1]} answered {type(reply).__name__[:40]} "
+                                     f"{str(getattr(reply, 'message', ''))[:120]!r} for its rank table (a P of "
+                                     "another release?)", Failure.INCOMPATIBLE)
+            table = reply
+            problem = table_problem(table, remote, self.peer_ports)
+            if problem:
+                return _failed(plan, problem, Failure.INCOMPATIBLE)
+            with self._lock:
+                self._tables.pop(entry, None)
+                self._tables[entry] = table
+                while len(self._tables) > self.max_entries:
+                    self._tables.popitem(last=False)
+        return dataclasses.replace(plan, p_endpoints=endpoints_of(table))
+
+    def forget(self, entry: tuple[str, int]) -> None:
+        """A failed pull drops the table it used: the next pull from that P asks afresh."""
+        with self._lock:
+            self._tables.pop(entry, None)
+
+
+def _failed(plan: PullPlan, error: str, failure: Failure) -> PullPlan:
+    return dataclasses.replace(plan, error=error, failure=failure, contact_p=False)

@@ -58,19 +58,24 @@ class Rank:
         return out
 
 
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[tuple[list[Rank], list[Rank]]]:
+def _ranks_on(p_hosts: tuple[str, ...], d_hosts: tuple[str, ...]) -> Iterator[tuple[list[Rank], list[Rank]]]:
+    """P ranks and D ranks, each with its own Mooncake engine on the given host and one registered arena."""
     made: list[Rank] = []
     try:
-        for _ in range(8):
-            engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
+        for host in (*p_hosts, *d_hosts):
+            engine = MooncakeEngine(host, "tcp", transfer_timeout=5)
             arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
             engine.register([(arena.data_ptr(), ARENA_BYTES)])
             made.append(Rank(engine, arena))
-        yield made[:4], made[4:]
+        yield made[:len(p_hosts)], made[len(p_hosts):]
     finally:
         for r in made:
             r.engine.close()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[tuple[list[Rank], list[Rank]]]:
+    yield from _ranks_on(("127.0.0.1",) * 4, ("127.0.0.1",) * 4)
 
 
 def _views(tensors: list[torch.Tensor]) -> list[tuple[str, list[TensorView]]]:
@@ -241,17 +246,7 @@ def test_block_size_mismatch_at_tp_1(ranks) -> None:
 def spread_ranks() -> Iterator[tuple[list[Rank], list[Rank]]]:
     """P's ranks on two "nodes" (127.0.0.2 and 127.0.0.3: each rank's engine, segment and side channel there), as
     an engine spanning hosts; D's on 127.0.0.1."""
-    made: list[Rank] = []
-    try:
-        for host in ("127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3", "127.0.0.1", "127.0.0.1"):
-            engine = MooncakeEngine(host, "tcp", transfer_timeout=5)
-            arena = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
-            engine.register([(arena.data_ptr(), ARENA_BYTES)])
-            made.append(Rank(engine, arena))
-        yield made[:4], made[4:]
-    finally:
-        for r in made:
-            r.engine.close()
+    yield from _ranks_on(("127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"), ("127.0.0.1", "127.0.0.1"))
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2), (2, 2)])

@@ -77,6 +77,7 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
+        self.incarnation_id = ""  # set at registration, with the engine's identity (_engine_identity)
         self.config = config
         self.platform = platform
         self.tp_size = parallel.tensor_parallel_size
@@ -158,8 +159,17 @@ class WorkerSide:
                         ", ".join(f"rank {e.tp_rank} at {e.host}:{e.port}" for e in table.ranks))
         return table
 
+    def _engine_identity(self) -> tuple[str, str]:
+        """This engine's id and incarnation as rank 0 has them. Each node of a multi-node engine builds its own
+        VllmConfig (its own random ``engine_id`` and ``instance_id``); the scheduler, on the head node with rank
+        0, names rank 0's in the params, so every rank registers under those (a collective over the TP group)."""
+        mine = (self.engine_id, incarnation(self.vllm_config, self.engine_id))
+        gathered = gather_over_tensor_parallel_group(mine)
+        return (str(gathered[0][0]), str(gathered[0][1])) if gathered else mine
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = kv_caches
+        self.engine_id, self.incarnation_id = self._engine_identity()
         model = self.vllm_config.model_config
         self.model_fingerprint = model_fingerprint(self.vllm_config)
         group_ids = transfer_group_ids(self.kv_cache_config)
@@ -250,7 +260,7 @@ class WorkerSide:
             use_mla=local.use_mla,
             groups=list(local.groups),
             plane_groups=list(local.plane_groups),
-            incarnation=incarnation(self.vllm_config, self.engine_id),
+            incarnation=self.incarnation_id,
             model_fingerprint=self.model_fingerprint,
         )
         auth = Authenticator(config.secret, config.clock_skew) if config.secret else None

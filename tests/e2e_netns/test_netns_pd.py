@@ -32,9 +32,9 @@ from tests.e2e_netns.conftest import (
     NO_HOST_SETTINGS,
     P_LONGEST_PIN_S,
     TRANSFER_TIMEOUT,
-    listening_sockets,
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:
     from tests.e2e_netns.conftest import NetnsPair
@@ -46,23 +46,23 @@ LENGTHS = [10, 2 * BLOCK_SIZE, 5 * BLOCK_SIZE + 7, 300]
 
 
 def test_engines_run_without_host_settings_and_advertise_their_namespace_address(pair: NetnsPair) -> None:
-    for server, ns in ((pair.prefill, pair.net.prefill), (pair.decode, pair.net.decode)):
+    for server, ns in ((pair.prefill, pair.net["prefill"]), (pair.decode, pair.net["decode"])):
         assert not set(NO_HOST_SETTINGS) & set(server.env), server.env
         assert server.cmd[:4] == ["ip", "netns", "exec", ns.name]
         log = server.log_path.read_text(errors="replace")
         assert f"Mooncake engine up: segment {ns.address}:" in log, server.log_path
     log = pair.prefill.log_path.read_text(errors="replace")
-    side_channel = f"{pair.net.prefill.address}:{pair.side_channel_port}"
-    assert f"side channel binds {side_channel}, advertised as {pair.net.prefill.address}" in log
+    side_channel = f"{pair.net['prefill'].address}:{pair.side_channel_port}"
+    assert f"side channel binds {side_channel}, advertised as {pair.net['prefill'].address}" in log
 
 
 def test_side_channel_listens_on_the_advertised_address_mooncake_on_every_interface(pair: NetnsPair) -> None:
     """What docs/configuration.md says: bind_host (here: the advertised address) binds the side channel only."""
-    listening = listening_sockets(pair.net.prefill.name)
-    assert (pair.net.prefill.address, pair.side_channel_port) in listening, listening
+    listening = listening_sockets(pair.net["prefill"].name)
+    assert (pair.net["prefill"].address, pair.side_channel_port) in listening, listening
     assert not {("0.0.0.0", pair.side_channel_port), ("::", pair.side_channel_port)} & listening
     log = pair.prefill.log_path.read_text(errors="replace")
-    rpc_port = int(re.search(rf"segment {re.escape(pair.net.prefill.address)}:(\d+)", log).group(1))
+    rpc_port = int(re.search(rf"segment {re.escape(pair.net['prefill'].address)}:(\d+)", log).group(1))
     assert {("0.0.0.0", rpc_port), ("::", rpc_port)} & listening, (rpc_port, listening)
 
 
@@ -73,7 +73,7 @@ def test_p_params_name_p_namespace_address(pair: NetnsPair) -> None:
              {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
               "kv_transfer_params": {"do_remote_decode": True}})
     params = p["kv_transfer_params"]
-    assert params["remote_host"] == pair.net.prefill.address and params["remote_port"] == pair.side_channel_port
+    assert params["remote_host"] == pair.net["prefill"].address and params["remote_port"] == pair.side_channel_port
     d = post(pair.decode.url + "/v1/completions", {**completion_body(prompt), "kv_transfer_params": params})
     assert d["kv_transfer_params"][PULL_REPORT_KEY]["ok"], d["kv_transfer_params"]
 
@@ -107,7 +107,7 @@ def test_p_cut_off_costs_one_side_channel_timeout_and_pulls_resume_when_the_link
     prompt = prompt_ids(3 * BLOCK_SIZE + 5, seed=4242)
     params = post(pair.prefill.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
                                                           "kv_transfer_params": {"do_remote_decode": True}})
-    veth = pair.net.prefill.veth
+    veth = pair.net["prefill"].veth
     subprocess.run(["ip", "link", "set", veth, "down"], check=True, timeout=30)
     try:
         t0 = time.monotonic()
@@ -136,7 +136,7 @@ def slow_p_link(pair: NetnsPair):
     """P's outgoing traffic throttled (a token bucket on its eth0) so that a pull lasts seconds, then restored."""
     import subprocess
 
-    tc = ["ip", "netns", "exec", pair.net.prefill.name, "tc", "qdisc"]
+    tc = ["ip", "netns", "exec", pair.net["prefill"].name, "tc", "qdisc"]
     added = subprocess.run([*tc, "add", "dev", "eth0", "root", "tbf", "rate", THROTTLE, "burst", "32kbit",
                             "latency", "10s"], capture_output=True, text=True, timeout=30)
     if added.returncode != 0:
@@ -166,7 +166,7 @@ def test_p_cut_off_during_a_read_ends_within_transfer_timeout(pair: NetnsPair, s
                              completion_body(prompt, kv_transfer_params=params["kv_transfer_params"]))
         result["seconds"] = time.monotonic() - t0
 
-    veth = pair.net.prefill.veth
+    veth = pair.net["prefill"].veth
     thread = threading.Thread(target=decode)
     thread.start()
     time.sleep(1.0)  # claimed (a round trip) and about a third of the read done

@@ -230,6 +230,11 @@ class VllmServer:
     worker-side KV connector objects live in different processes. In single-process mode vLLM does no OpenMP
     binding (``cpus`` has no effect); ``OMP_NUM_THREADS=1`` is set unless given.
 
+    ``launcher="kvp2p-serve"`` starts it through ``vllm-kvp2p-serve`` (vLLM's own ``serve`` subcommand) instead of
+    the OpenAI server module; ``headless=True`` (implies it) runs a node of a multi-node engine that has no API
+    server (``--headless``: no ``--host``/``--port``; "ready" then means still running, the head's ``/health``
+    is what tells that the engine is up).
+
     ``with VllmServer(...) as srv:`` starts it, waits until ``/health`` answers (``ready_timeout`` seconds) and
     always stops it on exit.
     """
@@ -249,7 +254,13 @@ class VllmServer:
         python: str | None = None,
         host: str = "127.0.0.1",
         netns: str | None = None,
+        launcher: str = "api_server",
+        headless: bool = False,
     ) -> None:
+        if launcher not in ("api_server", "kvp2p-serve"):
+            raise ValueError(f"launcher must be 'api_server' or 'kvp2p-serve', got {launcher!r}")
+        self.launcher = "kvp2p-serve" if headless else launcher
+        self.headless = headless
         self.model_path = Path(model_path)
         self.host = host
         self.netns = netns
@@ -303,16 +314,11 @@ class VllmServer:
         return [
             *(("ip", "netns", "exec", self.netns) if self.netns else ()),
             self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_path),
+            *(("-m", "vllm_kvp2p.serve", str(self.model_path)) if self.launcher == "kvp2p-serve"
+              else ("-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_path))),
             "--served-model-name",
             self.model_name,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
+            *(("--headless",) if self.headless else ("--host", self.host, "--port", str(self.port))),
             *DEFAULT_ARGS,
             *self.extra_args,
         ]
@@ -361,6 +367,8 @@ class VllmServer:
             rc = self._proc.poll()
             if rc is not None:
                 raise VllmServerError(f"vLLM server exited with code {rc} before becoming ready\n{self.log_tail()}")
+            if self.headless:  # no API server to ask; the head's /health tells when the engine is up
+                return self
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
                     if resp.status == 200:

@@ -133,3 +133,18 @@ def tp_over_nodes(network: Network, tiny_model_dir: Path,
         d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
     ) as deployment:
         yield deployment
+
+
+@pytest.fixture(scope="module")
+def dp_over_nodes(network: Network, tiny_model_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeDeployment]:
+    """P at DP 2 with engine core 0 (and the API server) on p0 and engine core 1 on p1 (a headless secondary)."""
+    dp = ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-address", network["p0"].address, "--data-parallel-rpc-port", str(free_port()))
+    with MultiNodeDeployment(
+        network, tiny_model_dir, tmp_path_factory.mktemp("dp-nodes-logs"), ranks=2, p_args=dp,
+        head_args=("--api-server-count", "1"), worker_args=("--data-parallel-start-rank", "1"),
+        p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
+        d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
+    ) as deployment:
+        yield deployment

@@ -20,6 +20,7 @@ Skipped, with the reason, when not root or when ``ip`` is missing (CI runs as ro
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 ENGINE_ARGS = ("--max-model-len", "512", "--max-num-seqs", "4")
 NO_HOST_SETTINGS: dict[str, str | None] = {"VLLM_KVP2P_HOST": None, "VLLM_HOST_IP": None,
                                            "VLLM_KVP2P_BIND_HOST": None}
+SECRET = secrets.token_hex(32)
 #: P's two nodes and D's.
 ROLES = ("p0", "p1", "d")
 
@@ -123,14 +125,15 @@ class MultiNodeDeployment:
 @pytest.fixture(scope="module")
 def tp_over_nodes(network: Network, tiny_model_dir: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeDeployment]:
-    """P at TP 2 with rank 0 on p0 and rank 1 on p1 (vLLM's multiprocessing executor over two nodes)."""
+    """P at TP 2 with rank 0 on p0 and rank 1 on p1 (vLLM's multiprocessing executor over two nodes), the shared
+    secret on every node: the rank table, the params and the side channel are authenticated across nodes."""
     master = ("--nnodes", "2", "--master-addr", network["p0"].address, "--master-port", str(free_port()))
     with MultiNodeDeployment(
         network, tiny_model_dir, tmp_path_factory.mktemp("tp-nodes-logs"), ranks=2,
         p_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", *master),
         head_args=("--node-rank", "0"), worker_args=("--node-rank", "1"),
-        p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
-        d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
+        p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_SECRET": SECRET},
+        d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_SECRET": SECRET},
     ) as deployment:
         yield deployment
 

@@ -43,6 +43,8 @@ def test_each_rank_advertises_its_own_node_and_the_table_says_so(tp_over_nodes: 
     assert f"rank 0 at {p0}:{port}, rank 1 at {p1}:{port + 1}" in head_log, d.head.log_path
     assert f"side channel binds {p1}:{port + 1}, advertised as {p1}" in worker_log, d.worker.log_path
     assert f"Mooncake engine up: segment {p1}:" in worker_log
+    for log in (head_log, worker_log, d.decode.log_path.read_text(errors="replace")):
+        assert "; authenticated; protocol v" in log  # the secret is set on every node
     assert (p1, port + 1) in listening_sockets(d.net["p1"].name)
 
 

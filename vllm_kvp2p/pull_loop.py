@@ -77,6 +77,13 @@ class TimedResult:
     claim_seconds: float | None = None  # the round trip of the pull's first claim (whatever P answered)
 
 
+@dataclass(frozen=True)
+class _Suspect:
+    until: float  # monotonic
+    endpoint: tuple[str, int]  # where to probe: the rank that did not answer
+    rank: int
+
+
 class PullLoop:
     """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance (vllm_kvp2p/pull_lanes.py);
     results are collected with :meth:`take_results`."""
@@ -125,10 +132,11 @@ class PullLoop:
         self.on_result = on_result
         self.pull_timeout = pull_timeout
         self.auth = auth
-        # P instances (host, base port) that did not answer, until when: a plan for one first probes it (a short
-        # round trip) and fails at once if that gets no answer, instead of paying the full timeouts again.
+        # P instances (entry host, port) one of whose ranks did not answer, until when: a plan for one first
+        # probes that rank (a short round trip) and fails at once if that gets no answer, instead of paying the
+        # full timeouts again.
         self.suspect_time = suspect_time
-        self._suspects: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._suspects: OrderedDict[tuple[str, int], _Suspect] = OrderedDict()
         if auth is None:
             logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "
                            "params name within peer_ports; docs/security.md", tp_rank)
@@ -159,7 +167,7 @@ class PullLoop:
         return {
             "queued_plans": queued,
             "instances": instances,
-            "suspects": sum(until > time.monotonic() for until in list(self._suspects.values())),
+            "suspects": sum(s.until > time.monotonic() for s in list(self._suspects.values())),
             "registrations": len(self._registrations),
             "rank_tables": len(self.rank_tables),
             "sockets": sum(c.open_sockets for c in clients),
@@ -275,13 +283,13 @@ class PullLoop:
             if isinstance(action, Finish):
                 if job.failed:
                     self._forget(plan, sources)
-                self._note_outcome(instance, action.result)
+                self._note_outcome(plan, instance, action.result)
                 return action.result
             if job.failed and not failure_out:
                 failure_out = True
                 failure = job.result()
                 # Before the result is out: a plan for the same P on its other lane must already see it suspect.
-                self._note_outcome(instance, failure)
+                self._note_outcome(plan, instance, failure)
                 publish(failure)
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
@@ -420,30 +428,38 @@ class PullLoop:
     def _check_suspect(
         self, plan: PullPlan, instance: tuple[str, int], source: Source, client: SideChannelClient
     ) -> PullPlan:
-        """A P that recently did not answer: one short round trip first. No answer: the plan fails at once (and
-        contacts it no more); an answer: it is trusted again."""
-        until = self._suspects.get(instance)
-        if until is None:
+        """A P one of whose ranks recently did not answer: one short round trip to that rank first (on an engine
+        over several nodes, the entry point may answer while a far rank's node is cut off). No answer: the plan
+        fails at once (and contacts it no more); an answer: it is trusted again."""
+        suspect = self._suspects.get(instance)
+        if suspect is None:
             return plan
-        if time.monotonic() >= until:
+        if time.monotonic() >= suspect.until:
             self._suspects.pop(instance, None)
             return plan
-        host, base_port = instance
-        try:  # the entry point (rank 0) answers for the engine: the other ranks' endpoints may not be known yet
-            client.request(host, base_port, GetRegistration(0), timeout=PROBE_TIMEOUT_S)
+        host, port = suspect.endpoint
+        try:
+            client.request(host, port, GetRegistration(suspect.rank), timeout=PROBE_TIMEOUT_S)
         except Unauthenticated:
             pass  # it answered: up (the pull says why it refused)
         except SideChannelError as exc:
+            rank = f" (P rank {suspect.rank})" if suspect.rank else ""
             return dataclasses.replace(
                 plan, failure=Failure.UNREACHABLE, contact_p=False,
-                error=f"P at {host}:{base_port} did not answer lately and does not answer a probe now: {exc}",
+                error=f"P at {host}:{port}{rank} did not answer lately and does not answer a probe now: {exc}",
             )
         self._suspects.pop(instance, None)
         return plan
 
-    def _note_outcome(self, instance: tuple[str, int], result: PullResult) -> None:
+    def _note_outcome(self, plan: PullPlan, instance: tuple[str, int], result: PullResult) -> None:
         if result.failure is Failure.UNREACHABLE:
-            _put_recent(self._suspects, instance, time.monotonic() + self.suspect_time)
+            # The rank that did not answer, where P's own rank table put it; without a table (one rank, or none
+            # fetched) the entry point, which answers for the engine.
+            rank = result.unreachable_rank or 0
+            if rank >= len(plan.p_endpoints):
+                rank = 0
+            until = time.monotonic() + self.suspect_time
+            _put_recent(self._suspects, instance, _Suspect(until, plan.p_endpoint(rank), rank))
         elif result.outcome is not Outcome.FAILED:
             self._suspects.pop(instance, None)
 

@@ -259,3 +259,64 @@ def test_p_ranks_on_two_hosts(spread_ranks, p_tp: int, d_tp: int) -> None:
 def test_single_host_assumption_gets_no_pull_when_ranks_span_hosts(spread_ranks) -> None:
     """The negative control: rank r assumed on the entry point's host (the former rule) reaches nothing there."""
     run_layout(spread_ranks, 2, 1, heads=4, mla=False, p_bs=16, d_bs=16, n_tokens=70, single_host_table=True)
+
+
+def test_a_far_rank_that_stops_answering_is_probed_itself(spread_ranks) -> None:
+    """An engine over two nodes whose far rank stops answering (a ROUTER that accepts and never answers: its node
+    cut off from D, or frozen) while the entry point still answers. The first pull pays one side-channel timeout;
+    the next one probes that rank (0.5 s) and fails at once, naming it. (Probing the entry point instead, which
+    answers, would trust the engine again and pay the timeout on every request.)"""
+    import zmq
+
+    from vllm_kvp2p.lifecycle.consumer import Failure
+
+    p_ranks, d_ranks = spread_ranks
+    engine_id, heads, bs, timeout = "P-" + uuid.uuid4().hex[:6], 4, 16, 3.0
+    layout = Layout(2, heads, False)
+    base_port = free_port_run(2)
+    tensors = p_ranks[0].carve([kv_shape(40, bs, layout.heads_per_rank, HEAD_DIM, torch.float32)] * LAYERS,
+                               torch.float32)
+    planes, shapes = _geometry(tensors, 40, bs, layout.heads_per_rank, False, torch.float32)
+    reg = RankRegistration(engine_id, 0, 2, p_ranks[0].engine.segment, planes, shapes,
+                           [f"layer.{i}" for i in range(LAYERS)], bs, 40, "float32", layout.heads_per_rank,
+                           heads, HEAD_DIM)
+    entry = HoldService(reg, p_ranks[0].engine.host, base_port, hold_timeout=30, lease_timeout=30)
+    entry.rank_table = table_of(engine_id, "", {0: (p_ranks[0].engine.host, base_port),
+                                                1: (p_ranks[1].engine.host, base_port + 1)})
+    ctx = zmq.Context()
+    frozen = ctx.socket(zmq.ROUTER)
+    frozen.setsockopt(zmq.LINGER, 0)
+    frozen.bind(f"tcp://{p_ranks[1].engine.host}:{base_port + 1}")
+    d_tensors = d_ranks[0].carve([kv_shape(30, bs, heads, HEAD_DIM, torch.float32)] * LAYERS, torch.float32)
+    d_planes, d_shapes = _geometry(d_tensors, 30, bs, heads, False, torch.float32)
+    local = LocalKV(tuple(d_planes), tuple(d_shapes), bs, tuple(f"layer.{i}" for i in range(LAYERS)), "float32",
+                    heads, False)
+    loop = PullLoop(d_ranks[0].engine, reader="D:0", tp_size=1, tp_rank=0, local=local,
+                    side_channel_timeout=timeout, claim_wait=2, max_batch_entries=64, suspect_time=30)
+
+    def pull(req: str) -> tuple[float, object]:
+        entry.hold(req, "hold-1", 2)
+        remote = RemotePrefill(engine_id, req, p_ranks[0].engine.host, base_port, [[7, 6]], "hold-1", 2 * bs, bs,
+                               tp_size=2)
+        t0 = time.monotonic()
+        loop.submit(PullPlan("d-" + req, remote, ((2, 3),), ((7, 6),), True))
+        deadline, results = time.monotonic() + 30, []
+        while not results and time.monotonic() < deadline:
+            results = loop.take_results()
+            time.sleep(0.01)
+        assert results, "no result"
+        return time.monotonic() - t0, results[0].result
+
+    try:
+        took, first = pull("req-1")
+        assert first.failure is Failure.UNREACHABLE and "P rank 1" in first.reason, first
+        assert first.unreachable_rank == 1 and took < timeout + 1.5, (took, first)
+        took, second = pull("req-2")
+        assert second.failure is Failure.UNREACHABLE, second
+        assert f"{p_ranks[1].engine.host}:{base_port + 1} (P rank 1) did not answer lately" in second.reason, second
+        assert took < 1.5, took  # the probe of rank 1, not another side-channel timeout
+    finally:
+        loop.close()
+        entry.close()
+        frozen.close(0)
+        ctx.term()

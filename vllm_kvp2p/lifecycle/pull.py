@@ -139,6 +139,7 @@ class ConsumerPull:
         if plan.awaiting and plan.num_blocks and not self._readable and not self._failure:
             self._failure, self._kind = "the TP mapping gives this D rank nothing to read", Failure.INCOMPATIBLE
         self._result: PullResult | None = None
+        self._unreachable_rank: int | None = None
 
     @property
     def done(self) -> bool:
@@ -187,7 +188,7 @@ class ConsumerPull:
         if st is None:
             return False
         if registration is None:
-            self._unanswered(f"no registration from P rank {source.p_rank}", error, unauthenticated)
+            self._unanswered(source, f"no registration from P rank {source.p_rank}", error, unauthenticated)
             return False
         if not self._accept(st, registration):
             return False
@@ -216,7 +217,7 @@ class ConsumerPull:
         if st is None:
             return False
         if reply is None:
-            self._unanswered(f"claim on P rank {source.p_rank} failed", error, unauthenticated)
+            self._unanswered(source, f"claim on P rank {source.p_rank} failed", error, unauthenticated)
             return False
         if reply.status is ClaimStatus.GRANTED:  # before the checks: a release after a refused one carries it
             st.lease, st.lease_token = reply.lease, reply.lease_token
@@ -258,7 +259,8 @@ class ConsumerPull:
         if st is None:
             return
         if reply is None:
-            return self._unanswered(f"lease renewal on P rank {source.p_rank} failed", error, unauthenticated)
+            return self._unanswered(source, f"lease renewal on P rank {source.p_rank} failed", error,
+                                    unauthenticated)
         if reply.status is not ClaimStatus.GRANTED:
             return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reply.reason}", Failure.REFUSED)
         st.renew_at = now + reply.lease / 3
@@ -360,9 +362,11 @@ class ConsumerPull:
     def _holds_lease(self, st: _SourceState) -> bool:
         return bool(st.lease) and not st.released
 
-    def _unanswered(self, what: str, error: str, unauthenticated: bool) -> None:
+    def _unanswered(self, source: Source, what: str, error: str, unauthenticated: bool) -> None:
         # Unauthenticated, P did answer: it is not down (nor to be taken for down by the pulls that follow).
         self._fail(f"{what}: {error}", Failure.UNAUTHENTICATED if unauthenticated else Failure.UNREACHABLE)
+        if not unauthenticated:
+            self._unreachable_rank = source.p_rank
 
     def _fail(self, reason: str, kind: Failure) -> None:
         # Reasons quote what P sent (engine ids, segments, error texts): bounded, as they go to logs and to vLLM.
@@ -482,6 +486,7 @@ class ConsumerPull:
             failure=self._kind if outcome is Outcome.FAILED else None,
             verified_units=self._verified_units if outcome is Outcome.PULLED else 0,
             unverified=self._unverified and outcome is Outcome.PULLED,
+            unreachable_rank=self._unreachable_rank if self._kind is Failure.UNREACHABLE else None,
         )
 
 

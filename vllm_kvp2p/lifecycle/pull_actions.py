@@ -116,6 +116,7 @@ class PullResult:
     failure: Failure | None = None  # set when the outcome is FAILED
     verified_units: int = 0  # units whose digests P and D compared and found equal
     unverified: bool = False  # a rank read from gave no digests (an older P), with integrity checks on
+    unreachable_rank: int | None = None  # the P rank that did not answer (failure UNREACHABLE)
 
     @property
     def report_finished(self) -> bool:

@@ -26,14 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.namespaces import NO_HOST_SETTINGS, namespaces
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
-from vllm_kvp2p.testing.netns import Network, create_network, unavailable_reason
+from vllm_kvp2p.testing.netns import Network
 from vllm_kvp2p.testing.server import VllmServer, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 ENGINE_ARGS = ("--max-model-len", "512", "--max-num-seqs", "4")
-NO_HOST_SETTINGS: dict[str, str | None] = {"VLLM_KVP2P_HOST": None, "VLLM_HOST_IP": None,
-                                           "VLLM_KVP2P_BIND_HOST": None}
 SECRET = secrets.token_hex(32)
 #: P's two nodes and D's.
 ROLES = ("p0", "p1", "d")
@@ -41,16 +40,9 @@ ROLES = ("p0", "p1", "d")
 
 @pytest.fixture(scope="package")
 def network() -> Iterator[Network]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a P over two nodes needs one core per node")
-    net = create_network(ROLES)
-    try:
-        yield net
-    finally:
-        net.teardown()
+    yield from namespaces(ROLES)
 
 
 @pytest.fixture(scope="package")

@@ -14,37 +14,24 @@ Skipped, with the reason, when not root or when ``ip`` is missing (CI runs as ro
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
+from tests.support.namespaces import NO_HOST_SETTINGS, namespaces
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
-from vllm_kvp2p.testing.netns import Network, create_network, unavailable_reason
+from vllm_kvp2p.testing.netns import Network
 from vllm_kvp2p.testing.server import VllmServer, free_port
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 #: Small engines: short prompts only.
 ENGINE_ARGS = ("--max-model-len", "512", "--max-num-seqs", "4")
-#: Nothing that names an address: the connector must find it itself.
-NO_HOST_SETTINGS: dict[str, str | None] = {"VLLM_KVP2P_HOST": None, "VLLM_HOST_IP": None,
-                                           "VLLM_KVP2P_BIND_HOST": None}
 
 
 @pytest.fixture(scope="package")
 def network() -> Iterator[Network]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        net = create_network(("prefill", "decode"))
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    try:
-        yield net
-    finally:
-        net.teardown()
+    yield from namespaces(("prefill", "decode"))
 
 
 @pytest.fixture(scope="package")

@@ -250,16 +250,25 @@ def node_ip() -> str:
     return str(get_ip())
 
 
-def gather_over_tensor_parallel_group(obj: Any) -> list[Any] | None:
-    """``obj`` of every rank of this engine's tensor-parallel group, in rank order (a collective: every rank must
-    call it), over vLLM's CPU process group (gloo, across nodes too). None when there is no such group: one rank,
-    or no vLLM distributed set-up (a worker built by hand)."""
+def gather_over_engine(obj: Any) -> list[Any] | None:
+    """``obj`` of every rank of this engine, in engine-rank order (pipeline stage by stage, each stage's
+    tensor-parallel ranks in order: rank ``stage * tp_size + tp_rank``). A collective: every rank of the engine must
+    call it. Over vLLM's CPU process groups (gloo, across nodes too): the TP group, then the PP group. None when the
+    engine has one rank, or no vLLM distributed set-up (a worker built by hand)."""
+    stage = _gather_over("get_tp_group", obj)
+    stages = _gather_over("get_pp_group", stage if stage is not None else [obj])
+    if stages is None:
+        return stage
+    return [item for ranks in stages for item in ranks]
+
+
+def _gather_over(group_getter: str, obj: Any) -> list[Any] | None:
     import torch.distributed as dist
 
     try:
-        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.distributed import parallel_state
 
-        group = get_tp_group()
+        group = getattr(parallel_state, group_getter)()
     except (ImportError, AssertionError):  # vLLM asserts the group was initialised
         return None
     if not dist.is_initialized() or group.world_size <= 1:

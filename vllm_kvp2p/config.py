@@ -75,9 +75,9 @@ class KVP2PConfig:
     )
     side_channel_port: int = setting(
         14600,
-        "side-channel port of DP rank 0, TP rank 0; rank *r* of DP rank *d* listens on `port + d*tp_size + r`. "
-        "1024..65000, never inside Mooncake's random RPC range 15000..17000. Give each instance on one host its "
-        "own range",
+        "side-channel port of DP rank 0, rank 0; rank *r* of DP rank *d* listens on `port + d*pp_size*tp_size + r` "
+        "(*r* = pipeline stage x tp_size + TP rank). 1024..65000, never inside Mooncake's random RPC range "
+        "15000..17000. Give each instance on one host its own range",
     )
     hold_timeout: float = setting(
         120.0,
@@ -148,8 +148,8 @@ class KVP2PConfig:
     )
     peer_ports: str = setting(
         "",
-        "side-channel ports D may contact, `LOW-HIGH`: `remote_port` .. `remote_port + tp_size - 1` of any params"
-        " must lie inside, else D contacts no one (docs/security.md)",
+        "side-channel ports D may contact, `LOW-HIGH`: `remote_port` .. `remote_port + tp_size*pp_size - 1` of any "
+        "params must lie inside, else D contacts no one (docs/security.md)",
         shown="`\"\"` (1024..14999 and 17001..65535)",
     )
     secret_file: str = setting(
@@ -341,15 +341,18 @@ class KVP2PConfig:
         """The address P's side channel binds: ``bind_host``, else the advertised address."""
         return self.bind_host or advertised
 
-    def side_channel_port_for(self, dp_rank: int, tp_size: int, tp_rank: int) -> int:
-        """Port of one worker's side channel; distinct for every (DP rank, TP rank) of one instance. The base is
-        checked at start-up; a rank's port beyond it is checked here, where the layout is known."""
-        port = self.side_channel_port + dp_rank * tp_size + tp_rank
+    def side_channel_port_for(self, dp_rank: int, engine_ranks: int, rank: int) -> int:
+        """Port of one worker's side channel; distinct for every (DP rank, rank) of one instance, where ``rank`` is
+        the worker's rank within its engine (``stage * tp_size + tp rank``) and ``engine_ranks`` = ``pp_size *
+        tp_size``. The base is checked at start-up; a rank's port beyond it is checked here, where the layout is
+        known."""
+        port = self.side_channel_port + dp_rank * engine_ranks + rank
         if 15000 <= port <= 17000 or port > 65535:
             where = "inside Mooncake's RPC range 15000..17000" if port <= 17000 else "above 65535"
             raise ConfigError(
-                f"side_channel_port={self.side_channel_port}: DP rank {dp_rank} TP rank {tp_rank} (of TP {tp_size}) "
-                f"would listen on {port}, {where}; choose a base that keeps base + dp_size * tp_size - 1 outside it"
+                f"side_channel_port={self.side_channel_port}: DP rank {dp_rank} rank {rank} (of {engine_ranks} per "
+                f"engine: pp_size x tp_size) would listen on {port}, {where}; choose a base that keeps base + "
+                "dp_size * pp_size * tp_size - 1 outside it"
             )
         return port
 

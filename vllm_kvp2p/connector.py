@@ -55,10 +55,9 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = KVP2PConfig.from_sources(kv_config.kv_connector_extra_config)
         compat.check_vllm_supported()
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+        if parallel.decode_context_parallel_size > 1:
             raise NotImplementedError(
-                f"{type(self).__name__} supports tensor and data parallelism; got "
-                f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+                f"{type(self).__name__} supports tensor, pipeline and data parallelism; got "
                 f"decode_context_parallel_size={parallel.decode_context_parallel_size}"
             )
         self.engine_id: str = kv_config.engine_id

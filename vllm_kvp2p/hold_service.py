@@ -89,10 +89,10 @@ class HoldService:
         self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
         self._dropped_reported: Counter[str] = Counter()  # side-channel drops already in the metrics
         self._server = SideChannelServer(
-            host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.tp_rank}",
+            host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.rank}",
             auth=auth,
         )
-        logger.info("KV hold service of rank %d listening on %s (%s)", registration.tp_rank, self._server.address,
+        logger.info("KV hold service of rank %d listening on %s (%s)", registration.rank, self._server.address,
                     "authenticated" if auth is not None else "unauthenticated: anyone who reaches it may fetch the "
                     "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
@@ -148,14 +148,14 @@ class HoldService:
             now = self._clock()
             try:
                 if isinstance(message, GetRegistration):
-                    if message.tp_rank != self.registration.tp_rank:
+                    if message.tp_rank != self.registration.rank:
                         return ErrorReply(
-                            f"this is rank {self.registration.tp_rank}, asked for rank {message.tp_rank}"
+                            f"this is rank {self.registration.rank}, asked for rank {message.tp_rank}"
                         )
                     return Registration(self.registration)
                 if isinstance(message, GetRankTable):
                     if self.rank_table is None:
-                        return ErrorReply(f"rank {self.registration.tp_rank}: the rank table is not ready")
+                        return ErrorReply(f"rank {self.registration.rank}: the rank table is not ready")
                     return self.rank_table
                 if isinstance(message, Claim):
                     reply = self.ledger.claim(

@@ -27,12 +27,15 @@ from vllm_kvp2p.transfer.slicing import BlockShape
 
 # 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params; 4: block interiors with parts
 # (vLLM CPU's K and V halves), params bound to their prompt, claims with D's deadline; 5: rank tables (ranks of one
-# engine on several nodes)
-PROTOCOL_VERSION = 5
+# engine on several nodes); 6: pipeline stages (ranks of an engine numbered stage * tp_size + tp rank, a
+# registration names the layers of its stage)
+PROTOCOL_VERSION = 6
 
 # Bounds on what a client may put in kv_transfer_params (vLLM's OpenAI server accepts them from anyone): part of
 # the type, so converting a client's dict refuses anything outside them (naming the field) before any check runs.
 MAX_TP_SIZE = 1024
+MAX_PP_SIZE = 64
+MAX_ENGINE_RANKS = 1024  # pp_size * tp_size: the ranks of one engine D may contact
 MAX_KV_GROUPS = 64
 MAX_BLOCK_SIZE = 1 << 20  # tokens
 MAX_ID_LENGTH = 256
@@ -59,7 +62,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_engine_id: Id
     remote_request_id: Id  # P's internal request id (vLLM suffixes ids, so P's and D's differ)
     remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]  # an IP address
-    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]  # side-channel port of P's (dp, tp 0); rank r: + r
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]  # side-channel port of P's rank 0 (of its DP rank)
     # One list per KV-cache group (vLLM's order of transfer groups), each cut to what a decoder needs and ending
     # with the block of the prompt's last token (vllm_kvp2p/kv_groups.py). One list for a model without HMA.
     remote_block_ids: Annotated[list[GroupBlockIds], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUPS)]
@@ -77,6 +80,13 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     # field (vllm_kvp2p/auth.py).
     expires_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0
     mac: OptionalId = ""
+    # P's pipeline stages: P's ranks are numbered stage * tp_size + tp rank (vllm_kvp2p/lifecycle/rank_table.py).
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_PP_SIZE)] = 1
+
+    @property
+    def num_ranks(self) -> int:
+        """P's ranks of this engine (one DP rank): every pipeline stage's tensor-parallel ranks."""
+        return self.tp_size * self.pp_size
 
     @classmethod
     def from_params(cls, params: Any) -> RemotePrefill | None:
@@ -111,10 +121,11 @@ def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
 
 
 class RankRegistration(msgspec.Struct, frozen=True):
-    """One worker's KV memory as its peers must address it."""
+    """One worker's KV memory as its peers must address it. With pipeline stages, a rank registers the layers
+    of its stage only; its rank within the engine is ``pp_rank * tp_size + tp_rank`` (:attr:`rank`)."""
 
     engine_id: str
-    tp_rank: int
+    tp_rank: int  # within its pipeline stage
     tp_size: int
     segment: str  # Mooncake target name, "host:rpc_port"
     planes: list[PlaneGeometry]  # in layer order, then K/V order where they are separate
@@ -132,6 +143,14 @@ class RankRegistration(msgspec.Struct, frozen=True):
     plane_groups: list[int] = msgspec.field(default_factory=list)  # group index of each plane; empty: all 0
     incarnation: str = ""  # drawn at each start of P (the params carry it too)
     model_fingerprint: str = ""  # what must match between P and D beyond the KV geometry (the model)
+    pp_rank: int = 0
+    pp_size: int = 1
+    plane_layers: list[int] = msgspec.field(default_factory=list)  # layer index of each plane; empty: as many per layer
+
+    @property
+    def rank(self) -> int:
+        """This rank within its engine: every stage's TP ranks, stage by stage."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return tuple(self.groups) or single_full_group(self.block_size)
@@ -139,12 +158,21 @@ class RankRegistration(msgspec.Struct, frozen=True):
     def group_of_planes(self) -> tuple[int, ...]:
         return tuple(self.plane_groups) or (0,) * len(self.planes)
 
+    def layer_of_planes(self) -> tuple[int, ...]:
+        return tuple(self.plane_layers) or layers_of_planes(len(self.planes), len(self.layer_names))
+
+
+def layers_of_planes(num_planes: int, num_layers: int) -> tuple[int, ...]:
+    """The layer of each plane when every layer has as many planes (a registration that does not say)."""
+    per_layer = num_planes // num_layers if num_layers and num_planes % num_layers == 0 else 0
+    return tuple(i // per_layer for i in range(num_planes)) if per_layer else (0,) * num_planes
+
 
 # --------------------------------------------------------------------------- side-channel messages
 
 
 class GetRegistration(msgspec.Struct, frozen=True, tag="get_registration"):
-    tp_rank: int
+    tp_rank: int  # the rank within the engine (RankRegistration.rank; the TP rank when P has one stage)
 
 
 class GetRankTable(msgspec.Struct, frozen=True, tag="get_rank_table"):
@@ -154,7 +182,7 @@ class GetRankTable(msgspec.Struct, frozen=True, tag="get_rank_table"):
 class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
     """Where one P rank's side channel listens, as that rank advertises it (its own node's address)."""
 
-    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_ENGINE_RANKS)]  # within the engine (RankRegistration.rank)
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
@@ -250,7 +278,7 @@ class RankTable(msgspec.Struct, frozen=True, tag="rank_table"):
 
     engine_id: Id
     incarnation: OptionalId
-    ranks: Annotated[list[RankEndpoint], msgspec.Meta(max_length=MAX_TP_SIZE)]
+    ranks: Annotated[list[RankEndpoint], msgspec.Meta(max_length=MAX_ENGINE_RANKS)]
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

@@ -41,16 +41,18 @@ from vllm_kvp2p.lifecycle.pull import (
     Wait,
 )
 from vllm_kvp2p.lifecycle.pull_actions import FAILURE_HINTS
+from vllm_kvp2p.lifecycle.stages import sources_of
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
     ANY_PORT,
-    MAX_TP_SIZE,
+    MAX_ENGINE_RANKS,
     ClaimReply,
     GetRegistration,
     PortRanges,
     RankRegistration,
     Registration,
     Released,
+    RemotePrefill,
     Reply,
     Request,
 )
@@ -240,7 +242,7 @@ class PullLoop:
         """The plan (failed already when the layouts cannot pair, or its P is suspect and silent), the P ranks it
         involves and its pull state machine."""
         try:
-            sources = self.sources_for(plan.remote.tp_size) if plan.contact_p else ()
+            sources = self.sources_for(plan.remote) if plan.contact_p else ()
         except UnsupportedLayout as exc:
             plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}", failure=Failure.INCOMPATIBLE)
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
@@ -398,16 +400,13 @@ class PullLoop:
             logger.warning("integrity sums of %s on D failed: %s", plan.request_id, exc)
             return None
 
-    def sources_for(self, p_tp_size: int) -> tuple[Source, ...]:
-        """The P ranks this rank reads (with head slices) or only releases, for a P instance of ``p_tp_size``."""
+    def sources_for(self, remote: RemotePrefill) -> tuple[Source, ...]:
+        """The P ranks this rank reads (with head slices) or only releases, for P's layout in the params: the TP
+        mapping in every P stage (vllm_kvp2p/lifecycle/stages.py)."""
         local = self.local
-        p = Layout(p_tp_size, local.total_num_kv_heads, local.use_mla)
+        p = Layout(remote.tp_size, local.total_num_kv_heads, local.use_mla)
         d = Layout(self.tp_size, local.total_num_kv_heads, local.use_mla)
-        mapping = rank_plan(p, d, self.tp_rank)
-        return tuple(
-            Source(q, mapping.expected_readers[q], tuple(s for s in mapping.reads if s.p_rank == q))
-            for q in mapping.p_ranks
-        )
+        return sources_of(rank_plan(p, d, self.tp_rank), remote.tp_size, remote.pp_size, local.pp_size)
 
     def _release_after_crash(self, plan: PullPlan, job: ConsumerPull | None, client: SideChannelClient,
                              exc: Exception) -> None:
@@ -415,9 +414,9 @@ class PullLoop:
         ignores a live lease's release without it and keeps the blocks until the lease lapses)."""
         try:
             if job is None:  # it crashed before its pull began: no lease is held, the P ranks are only notified
-                job = self._new_pull(plan, self.sources_for(plan.remote.tp_size) if plan.contact_p else ())
+                job = self._new_pull(plan, self.sources_for(plan.remote) if plan.contact_p else ())
             job.on_crash(f"internal error: {exc}")
-            for _ in range(MAX_TP_SIZE + 1):  # a release each at most, then Finish
+            for _ in range(MAX_ENGINE_RANKS + 1):  # a release each at most, then Finish
                 action = job.next_action(time.monotonic())
                 if not isinstance(action, SendRelease):
                     return

@@ -124,9 +124,11 @@ class SchedulerSide:
         self.config = config
         self.engine_id = engine_id
         self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
         self.is_producer = bool(kv_config.is_kv_producer)
         self.is_consumer = bool(kv_config.is_kv_consumer)
-        self.side_channel_port = config.side_channel_port_for(data_parallel_index(parallel), self.tp_size, 0)
+        self.side_channel_port = config.side_channel_port_for(data_parallel_index(parallel),
+                                                             self.tp_size * self.pp_size, 0)
         # What P's params name as remote_host; the workers resolve the same settings the same way (worker.py).
         self.advertised_host = config.advertised_host(node_ip)
         # Refuses a KV cache it cannot move (Mamba state, ...) here, at engine start-up.
@@ -303,6 +305,7 @@ class SchedulerSide:
             remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             tp_size=self.tp_size,
+            pp_size=self.pp_size,
             remote_incarnation=self.incarnation,
             remote_prompt_digest=request_digest(request, num_tokens),
         )

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.compat import data_parallel_index, gather_over_tensor_parallel_group, node_ip, transfer_group_ids
+from vllm_kvp2p.compat import data_parallel_index, gather_over_engine, node_ip, transfer_group_ids
 from vllm_kvp2p.config import KVP2PConfig
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.identity import incarnation, model_fingerprint
@@ -56,7 +56,7 @@ def _view(t: torch.Tensor) -> TensorView:
 
 
 class WorkerSide:
-    """The connector's worker half (one per TP rank)."""
+    """The connector's worker half (one per rank: per TP rank of each pipeline stage)."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class WorkerSide:
     ) -> None:
         """``load_errors_as_blocks``: vLLM takes failed loads as block ids (0.23), so the local blocks of every
         failed pull are kept for :meth:`take_load_error_blocks` (see vllm_kvp2p/compat.py)."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         kv_config = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
@@ -82,6 +82,9 @@ class WorkerSide:
         self.platform = platform
         self.tp_size = parallel.tensor_parallel_size
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.pp_size = parallel.pipeline_parallel_size
+        self.pp_rank = get_pp_group().rank_in_group if self.pp_size > 1 else 0
+        self.rank = self.pp_rank * self.tp_size + self.tp_rank  # within the engine (side-channel port, rank table)
         self.dp_rank = data_parallel_index(parallel)
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = bool(kv_config.is_kv_producer)
@@ -146,25 +149,27 @@ class WorkerSide:
 
     def _gather_rank_table(self, incarnation_id: str, port: int) -> RankTable:
         """Where every rank of this engine listens, each as it advertises itself (its own node's address when the
-        engine spans nodes): gathered over vLLM's tensor-parallel group, a collective of all this engine's ranks.
-        Without a group (a worker built by hand), the ranks are assumed on this host at consecutive ports."""
-        mine = (self.tp_rank, self.advertised_host, port)
-        gathered = gather_over_tensor_parallel_group(mine)
+        engine spans nodes): gathered over vLLM's tensor-parallel and pipeline groups, a collective of all this
+        engine's ranks. Without a group (a worker built by hand), the ranks are assumed on this host at consecutive
+        ports."""
+        mine = (self.rank, self.advertised_host, port)
+        gathered = gather_over_engine(mine)
         if gathered is None:
-            base = port - self.tp_rank
-            gathered = [(r, self.advertised_host, base + r) for r in range(self.tp_size)]
+            base = port - self.rank
+            gathered = [(r, self.advertised_host, base + r) for r in range(self.tp_size * self.pp_size)]
         table = table_of(self.engine_id, incarnation_id, {int(r): (str(h), int(p)) for r, h, p in gathered})
-        if self.tp_rank == 0 and self.tp_size > 1:
+        if self.rank == 0 and len(table.ranks) > 1:
             logger.info("rank table of engine %s: %s", self.engine_id,
-                        ", ".join(f"rank {e.tp_rank} at {e.host}:{e.port}" for e in table.ranks))
+                        ", ".join(f"rank {e.rank} at {e.host}:{e.port}" for e in table.ranks))
         return table
 
     def _engine_identity(self) -> tuple[str, str]:
         """This engine's id and incarnation as rank 0 has them. Each node of a multi-node engine builds its own
         VllmConfig (its own random ``engine_id`` and ``instance_id``); the scheduler, on the head node with rank
-        0, names rank 0's in the params, so every rank registers under those (a collective over the TP group)."""
+        0, names rank 0's in the params, so every rank registers under those (a collective over the engine's TP
+        and PP groups)."""
         mine = (self.engine_id, incarnation(self.vllm_config, self.engine_id))
-        gathered = gather_over_tensor_parallel_group(mine)
+        gathered = gather_over_engine(mine)
         return (str(gathered[0][0]), str(gathered[0][1])) if gathered else mine
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -182,8 +187,8 @@ class WorkerSide:
         use_mla = bool(model.use_mla)
         local_heads = 1 if use_mla else model.get_num_kv_heads(self.vllm_config.parallel_config)
         self.block_size = common_block_size(groups, self.block_size)
-        planes, shapes, plane_groups = [], [], []
-        for name, views in layers:
+        planes, shapes, plane_groups, plane_layers = [], [], [], []
+        for index, (name, views) in enumerate(layers):
             group = groups[group_of_layer[name]]
             if group.kind == STATE:
                 # A state page (vLLM hands it over raw, as bytes): moved whole, never sliced by head or token.
@@ -204,6 +209,7 @@ class WorkerSide:
             planes += layer_planes
             shapes += layer_shapes
             plane_groups += [group_of_layer[name]] * len(layer_planes)
+            plane_layers += [index] * len(layer_planes)
         regions, how = self._regions([v for _, vs in layers for v in vs])
         first = _tensors_of(next(iter(kv_caches.values())))[0]
         self.local = LocalKV(
@@ -218,6 +224,8 @@ class WorkerSide:
             plane_groups=tuple(plane_groups),
             tp_size=self.tp_size,
             model_fingerprint=self.model_fingerprint,
+            plane_layers=tuple(plane_layers),
+            pp_size=self.pp_size,
         )
         with self.platform.service_threads():
             self._start_services(regions, how, first, num_blocks, local_heads, model.get_head_size())
@@ -233,13 +241,13 @@ class WorkerSide:
         logger.info(
             "rank %d: %d layers in %d KV-cache group(s) (%s), %d KV planes of %d blocks (%s), registered as %d "
             "region(s) (%s)",
-            self.tp_rank, len(local.layer_names), len(local.kv_groups()),
+            self.rank, len(local.layer_names), len(local.kv_groups()),
             ", ".join(g.describe() for g in local.kv_groups()), len(local.planes), num_blocks,
             "head-major" if local.shapes[0].head_major else "token-major", len(regions), how,
         )
         # What a pull moves per block of each group (tests and operators read the real geometry here: vLLM may
         # raise a hybrid model's block size, and its state pages depend on the CPU's kernels).
-        logger.info("rank %d KV geometry: %s", self.tp_rank, "; ".join(
+        logger.info("rank %d KV geometry: %s", self.rank, "; ".join(
             f"group {g} {group.describe()}: block {group.block_size} tokens, "
             f"{sum(p.block_bytes for p, pg in zip(local.planes, local.group_of_planes()) if pg == g)} B per block"
             for g, group in enumerate(local.kv_groups())))
@@ -262,6 +270,9 @@ class WorkerSide:
             plane_groups=list(local.plane_groups),
             incarnation=self.incarnation_id,
             model_fingerprint=self.model_fingerprint,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            plane_layers=list(local.plane_layers),
         )
         auth = Authenticator(config.secret, config.clock_skew) if config.secret else None
         # The integrity digest reads the KV where it lives (vllm_kvp2p/transfer/digest.py): P answers D's questions
@@ -271,10 +282,10 @@ class WorkerSide:
         memory = self._kv_memory = KVMemory([t for entry in self._kv_caches.values() for t in _tensors_of(entry)])
         side_channel = "none (consumer only: D contacts P's)"
         if self.is_producer:
-            port = config.side_channel_port_for(self.dp_rank, self.tp_size, self.tp_rank)
+            port = config.side_channel_port_for(self.dp_rank, self.tp_size * self.pp_size, self.rank)
             bind_host = config.side_channel_bind_host(self.advertised_host)
             side_channel = f"binds {bind_host}:{port}, advertised as {self.advertised_host}:{port}"
-            logger.info("rank %d: side channel binds %s:%d, advertised as %s", self.tp_rank, bind_host, port,
+            logger.info("rank %d: side channel binds %s:%d, advertised as %s", self.rank, bind_host, port,
                         self.advertised_host)
             self.hold_service = HoldService(
                 registration, bind_host, port,
@@ -286,7 +297,7 @@ class WorkerSide:
         logger.info(
             "rank %d (dp %d) up as %s: Mooncake %s segment %s, %d MiB in %d region(s) (%s); side channel %s; %s; "
             "protocol v%d; settings: %s",
-            self.tp_rank, self.dp_rank, "/".join(r for r, on in (("producer", self.is_producer),
+            self.rank, self.dp_rank, "/".join(r for r, on in (("producer", self.is_producer),
                                                                    ("consumer", self.is_consumer)) if on),
             protocol, self.engine.segment, sum(size for _, size in regions) >> 20, len(regions), how,
             side_channel, "authenticated" if auth is not None else "unauthenticated",
@@ -295,7 +306,7 @@ class WorkerSide:
         if self.is_consumer:
             self.pull_loop = PullLoop(
                 self.engine,
-                reader=f"{self.engine_id}:{self.tp_rank}",
+                reader=f"{self.engine_id}:{self.rank}",
                 tp_size=self.tp_size,
                 tp_rank=self.tp_rank,
                 local=local,
@@ -351,7 +362,7 @@ class WorkerSide:
                     r.failure.value if r.failure is not None else "", r.verified_units, r.unverified,
                 )
         if recving and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("rank %d reports the receives of %s to the scheduler", self.tp_rank, sorted(recving))
+            logger.debug("rank %d reports the receives of %s to the scheduler", self.rank, sorted(recving))
         return sending, recving, failed
 
     def get_kv_connector_stats(self) -> Kvp2pStats:
@@ -364,7 +375,7 @@ class WorkerSide:
                                          tally.get("claims_refused", 0))
                 for reason, n in dropped.items():
                     self._stats.record_dropped(reason, n)
-                self._stats.set_gauges(f"{self.dp_rank}.{self.tp_rank}", blocks_held, oldest)
+                self._stats.set_gauges(f"{self.dp_rank}.{self.rank}", blocks_held, oldest)
             return self._stats.clone_and_reset()
 
     def take_load_error_blocks(self) -> set[int]:
@@ -421,7 +432,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Pulls stop and release P, the hold service stops, then memory is unregistered: never under a read."""
-        logger.info("rank %d shutting down; connector tables: %s", self.tp_rank, self.table_sizes())
+        logger.info("rank %d shutting down; connector tables: %s", self.rank, self.table_sizes())
         reads_done = True
         if self.pull_loop is not None:
             try:

@@ -58,7 +58,9 @@ class MultiNodeDeployment:
 
     def __init__(self, net: Network, model: Path, log_dir: Path, *, p_args: Sequence[str],
                  head_args: Sequence[str], worker_args: Sequence[str], ranks: int,
-                 p_env: Mapping[str, str] | None = None, d_env: Mapping[str, str] | None = None) -> None:
+                 p_env: Mapping[str, str | None] | None = None, d_env: Mapping[str, str] | None = None,
+                 d_args: Sequence[str] = (), d_cpus: str | None = None,
+                 d_config: Mapping[str, object] | None = None) -> None:
         self.net = net
         self.log_dir = log_dir
         self.side_channel_port = free_port_run(ranks)
@@ -78,9 +80,11 @@ class MultiNodeDeployment:
             extra_args=(*ENGINE_ARGS, *producer, *p_args, *worker_args), env=p_common,
         )
         self.decode = VllmServer(
-            model, free_port(), cpus=str(cpus[1]), log_path=log_dir / "decode.log",
+            model, free_port(), cpus=d_cpus or str(cpus[1]), log_path=log_dir / "decode.log",
             netns=net["d"].name, host=net["d"].address, ready_timeout=400,
-            extra_args=(*ENGINE_ARGS, "--kv-transfer-config", kv_transfer_config("kv_consumer", "recompute")),
+            extra_args=(*ENGINE_ARGS, "--kv-transfer-config", kv_transfer_config("kv_consumer", "recompute",
+                                                                         **(d_config or {})),
+                        *d_args),
             env={**common, **(d_env or {})},
         )
         self.proxy: ProxyProcess | None = None
@@ -141,5 +145,34 @@ def dp_over_nodes(network: Network, tiny_model_dir: Path,
         head_args=("--api-server-count", "1"), worker_args=("--data-parallel-start-rank", "1"),
         p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
         d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
+    ) as deployment:
+        yield deployment
+
+
+#: vLLM on CPU runs pipeline stages only with a compilation mode other than NONE (measured on 0.32: with
+#: --enforce-eager the first request kills the engine, ``assert self.intermediate_tensors is not None`` in
+#: gpu_model_runner.py, because the CPU worker skips the warm-up that makes them when the KV size is explicit).
+#: Dynamo without inductor (backend "eager") runs it on 0.23 and 0.32 alike.
+PIPELINE_COMPILATION = ("--no-enforce-eager", "--compilation-config", '{"mode": 1, "backend": "eager"}')
+
+
+@pytest.fixture(scope="module")
+def pp_over_nodes(network: Network, tiny_model_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeDeployment]:
+    """P at PP 2 x TP 1 with stage 0 on p0 and stage 1 on p1 (vLLM's multiprocessing executor over two nodes);
+    D at PP 1 x TP 2 on node d (the mixed layout: each D rank reads its KV head of every layer from the stage
+    that holds the layer)."""
+    master = ("--nnodes", "2", "--master-addr", network["p0"].address, "--master-port", str(free_port()))
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiNodeDeployment(
+        network, tiny_model_dir, tmp_path_factory.mktemp("pp-nodes-logs"), ranks=2,
+        p_args=("--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp", *master,
+                *PIPELINE_COMPILATION),
+        head_args=("--node-rank", "0"), worker_args=("--node-rank", "1"),
+        p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "TORCH_COMPILE_DISABLE": None},
+        d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
+        d_config={"test_hooks": True, "integrity": "full"},
+        d_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+        d_cpus=f"{cpus[0]}|{cpus[1]}",
     ) as deployment:
         yield deployment

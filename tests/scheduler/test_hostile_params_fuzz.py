@@ -140,10 +140,13 @@ def asks(params: Any) -> bool:
 
 def named_address(params: Any) -> tuple[str, int, int] | None:
     """The side channel the raw params name, if D may contact it: an IP address (never a name) and every rank's
-    port (``remote_port + rank``, ranks below ``tp_size``) inside peer_ports; None otherwise."""
-    host, port, tp = params.get("remote_host"), params.get("remote_port"), params.get("tp_size", 1)
-    if not (isinstance(host, str) and type(port) is int and type(tp) is int and tp >= 1):
+    port (``remote_port + rank``, ranks below ``tp_size * pp_size``) inside peer_ports; None otherwise."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+    if not (isinstance(host, str) and type(port) is int and type(tp) is int and tp >= 1 and type(pp) is int
+            and pp >= 1):
         return None
+    tp *= pp
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -253,7 +256,7 @@ def check_plan(case: Case, plan: PullPlan, auth: Authenticator | None) -> None:
     if plan.contact_p:
         # Contacted: exactly the side channel the params name, a valid one; with a secret, params P signed.
         remote = plan.remote
-        assert named_address(case.params) == (remote.remote_host, remote.remote_port, remote.tp_size), (case, plan)
+        assert named_address(case.params) == (remote.remote_host, remote.remote_port, remote.num_ranks), (case, plan)
         if auth is not None:
             assert converted is not None and converted == case.authentic, ("contacts P for forged params", case)
             assert auth.params_problem(converted, time.time_ns() // 1_000_000) == ""
@@ -322,6 +325,7 @@ TYPED: dict[str, st.SearchStrategy[Any]] = {
     "remote_port": st.one_of(INTS, st.sampled_from([-1, 0, 1, 1023, 1024, 14999, 15000, 17000, 17001, 65535,
                                                     65536])),
     "tp_size": st.one_of(INTS, st.sampled_from([0, 1, 2, 400, 1024, 1025, 50_000])),
+    "pp_size": st.one_of(INTS, st.sampled_from([0, 1, 2, 64, 65, 1 << 40])),
     "remote_block_ids": st.one_of(
         st.lists(st.lists(BLOCK_ID, max_size=8), max_size=3),
         st.sampled_from([[], [[]], [[1, 1, 1]], [[0, 1, 2]], [[1, 2, 3], [4, 5, 6]], [[7, 8, 9]] * 65,
@@ -348,6 +352,7 @@ IN_TYPE: dict[str, st.SearchStrategy[Any]] = {
     "remote_port": st.one_of(st.integers(1, 65535), st.sampled_from([1, 1023, 1024, 14999, 15000, 17000, 17001,
                                                                      65535])),
     "tp_size": st.one_of(st.integers(1, 1024), st.sampled_from([1, 2, 1024])),
+    "pp_size": st.one_of(st.integers(1, 64), st.sampled_from([1, 2, 64])),
     "remote_block_ids": st.lists(st.lists(st.one_of(st.integers(0, 400), st.just(MAX_BLOCK_ID)), max_size=8),
                                  min_size=1, max_size=3),
     "remote_num_tokens": st.one_of(st.integers(1, 100), st.sampled_from([MAX_TOKENS])),
@@ -361,6 +366,7 @@ IN_TYPE: dict[str, st.SearchStrategy[Any]] = {
 assert set(TYPED) == set(FIELDS) == set(IN_TYPE)
 # The fields mutations pick: those the checks past the type judge come twice (address, prompt, coverage, signature).
 DEEP = ("remote_block_ids", "remote_num_tokens", "remote_block_size", "remote_host", "remote_port", "tp_size",
+        "pp_size",
         "remote_prompt_digest", "mac", "expires_ms")
 MUTATED = DEEP + FIELDS
 SCALAR_FIELDS = [f for f in FIELDS if f != "do_remote_prefill"]

@@ -149,7 +149,7 @@ def test_a_rank_port_inside_mooncakes_range_is_refused_naming_the_setting() -> N
 
     config = KVP2PConfig.from_sources({"side_channel_port": 14998}, {})
     assert config.side_channel_port_for(0, 2, 1) == 14999
-    with _pytest.raises(ConfigError, match=r"side_channel_port=14998: DP rank 0 TP rank 2 .* 15000\.\.17000"):
+    with _pytest.raises(ConfigError, match=r"side_channel_port=14998: DP rank 0 rank 2 .* 15000\.\.17000"):
         config.side_channel_port_for(0, 4, 2)
     with _pytest.raises(ConfigError, match="above 65535"):
         KVP2PConfig.from_sources({"side_channel_port": 65000}, {}).side_channel_port_for(1, 600, 0)

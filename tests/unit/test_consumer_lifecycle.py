@@ -365,7 +365,7 @@ def test_incompatible_geometry_is_refused_at_handshake_with_both_values(change: 
 @pytest.mark.parametrize(("change", "message"), [
     ({"num_blocks": -5}, "beyond the -5 blocks"),
     ({"num_blocks": 0}, "beyond the 0 blocks"),
-    ({"tp_rank": -1}, "it is rank -1 of 1"),
+    ({"tp_rank": -1}, "it is rank -1 (stage 0 of 1, TP rank -1 of 1)"),
     ({"tp_size": 10**9}, "rank 0 of 1000000000"),
     ({"engine_id": "x" * 100_000}, "answers for engine xxx"),
     ({"segment": "10.6.6.6:15000"}, "is not on the host of P rank"),

@@ -40,7 +40,7 @@ def test_one_rank_needs_no_table() -> None:
 @pytest.mark.parametrize(("table", "message"), [
     (RankTable("Q", "inc", good().ranks), "the rank table is of engine 'Q'"),
     (RankTable("P", "other", good().ranks), "P restarted"),
-    (RankTable("P", "inc", good().ranks[:1]), "lists ranks [0], the params name tp_size 2"),
+    (RankTable("P", "inc", good().ranks[:1]), "lists ranks [0], the params name 2 (tp_size 2 x pp_size 1)"),
     (RankTable("P", "inc", good().ranks + [RankEndpoint(1, "10.0.0.9", 1)]), "lists ranks [0, 1, 1]"),
     (RankTable("P", "inc", [RankEndpoint(0, "10.0.0.1", 20000), RankEndpoint(2, "10.0.0.3", 1)]), "ranks [0, 2]"),
     # Rank 0 must be the entry point D was sent to: a table cannot move the engine elsewhere.

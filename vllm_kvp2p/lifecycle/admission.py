@@ -34,7 +34,16 @@ import msgspec
 
 from vllm_kvp2p.kv_groups import FULL, NULL_BLOCK_ID, KVGroup, has_state, needed_count, prompt_blocks
 from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.protocol import ANY_PORT, MAX_HOST_LENGTH, MAX_TP_SIZE, Id, PortRanges, RemotePrefill
+from vllm_kvp2p.protocol import (
+    ANY_PORT,
+    MAX_ENGINE_RANKS,
+    MAX_HOST_LENGTH,
+    MAX_PP_SIZE,
+    MAX_TP_SIZE,
+    Id,
+    PortRanges,
+    RemotePrefill,
+)
 
 #: Characters of a reason kept (it quotes what the client sent; it goes to a WARNING and to the client).
 MAX_REASON = 500
@@ -135,12 +144,15 @@ def judge(params: object, prompt: Prompt, decoder: Decoder,
 
 def address_problem(remote: RemotePrefill, port_ranges: PortRanges = ANY_PORT) -> str:
     """What makes P's side channel unaddressable ("" if nothing): then D contacts no one, not even to release.
-    Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for ranks below ``tp_size``, all inside
-    one of ``port_ranges`` (inclusive; the ``peer_ports`` setting)."""
-    last = remote.remote_port + remote.tp_size - 1
+    Otherwise D only ever contacts ``remote_host`` at ``remote_port + rank`` for P's ranks (``tp_size * pp_size``),
+    all inside one of ``port_ranges`` (inclusive; the ``peer_ports`` setting), or where P's rank table says."""
+    if remote.num_ranks > MAX_ENGINE_RANKS:
+        return (f"tp_size {remote.tp_size} x pp_size {remote.pp_size}: more than {MAX_ENGINE_RANKS} ranks in one "
+                "engine")
+    last = remote.remote_port + remote.num_ranks - 1
     if not any(lo <= remote.remote_port and last <= hi for lo, hi in port_ranges):
         allowed = ", ".join(f"{lo}..{hi}" for lo, hi in port_ranges)
-        return (f"remote_port {remote.remote_port} with tp_size {remote.tp_size}: ports {remote.remote_port}..{last} "
+        return (f"remote_port {remote.remote_port} with {remote.num_ranks} rank(s): ports {remote.remote_port}..{last} "
                 f"not inside the allowed side-channel ports ({allowed}; the peer_ports setting)")
     if not is_address(remote.remote_host):
         return f"remote_host {remote.remote_host[:80]!r} is not an IP address (P advertises its address, not a name)"
@@ -204,6 +216,7 @@ class _ReleaseAddress(msgspec.Struct):
     remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     remote_hold_id: Id
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_PP_SIZE)] = 1
 
 
 def _release_address(params: object, decoder: Decoder) -> RemotePrefill | None:
@@ -214,7 +227,7 @@ def _release_address(params: object, decoder: Decoder) -> RemotePrefill | None:
     except (msgspec.ValidationError, TypeError, ValueError):
         return None
     release = RemotePrefill(a.remote_engine_id, a.remote_request_id, a.remote_host, a.remote_port, [[]],
-                            a.remote_hold_id, 1, 1, tp_size=a.tp_size)
+                            a.remote_hold_id, 1, 1, tp_size=a.tp_size, pp_size=a.pp_size)
     texts_ok = all(_is_unicode(t) for t in (a.remote_engine_id, a.remote_request_id, a.remote_host,
                                             a.remote_hold_id))
     return release if texts_ok and not address_problem(release, decoder.peer_ports) else None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm_kvp2p.kv_groups import STATE, KVGroup
+from vllm_kvp2p.lifecycle.stages import plane_pairs, staged, unknown_layers_problem
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -31,8 +32,9 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
     if r.remote_incarnation and reg.incarnation != r.remote_incarnation:
         return (f"P restarted: the params are from incarnation {r.remote_incarnation}, its side channel serves "
                 f"{reg.incarnation or 'none'}")
-    if reg.tp_rank != source.p_rank or reg.tp_size != r.tp_size:
-        return f"it is rank {reg.tp_rank} of {reg.tp_size}, the params name rank {source.p_rank} of {r.tp_size}"
+    if reg.rank != source.p_rank or reg.tp_size != r.tp_size or reg.pp_size != r.pp_size:
+        return (f"it is rank {reg.rank} (stage {reg.pp_rank} of {reg.pp_size}, TP rank {reg.tp_rank} of "
+                f"{reg.tp_size}), the params name rank {source.p_rank} of tp_size {r.tp_size} x pp_size {r.pp_size}")
     rank_host = plan.p_endpoint(source.p_rank)[0]
     if not _same_address(reg.segment.rpartition(":")[0], rank_host):
         return (f"its Mooncake segment {reg.segment[:80]!r} is not on the host of P rank {source.p_rank}'s side "
@@ -41,21 +43,30 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
         return (f"model: P serves fingerprint {reg.model_fingerprint or 'none'}, D {local.model_fingerprint} "
                 "(the same model on both, vllm_kvp2p/identity.py)")
     if reg.num_blocks <= max((b for ids in plan.remote_block_ids for b in ids), default=-1):
-        return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.tp_rank}"
-    if tuple(reg.layer_names) != tuple(local.layer_names):
+        return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.rank}"
+    if not staged(local, reg) and tuple(reg.layer_names) != tuple(local.layer_names):
         return _layers_problem(reg.layer_names, local.layer_names)
+    unknown = unknown_layers_problem(local, reg)
+    if unknown:
+        return unknown
     if reg.dtype != local.dtype:
         return f"KV cache dtype: P uses {reg.dtype}, D uses {local.dtype}"
     if reg.use_mla != local.use_mla:
         return f"MLA: P {reg.use_mla}, D {local.use_mla}"
     if reg.total_num_kv_heads != local.total_num_kv_heads:
         return f"total KV heads: P has {reg.total_num_kv_heads}, D has {local.total_num_kv_heads}"
-    if len(reg.planes) != len(local.planes):
-        return f"P has {len(reg.planes)} KV planes, D has {len(local.planes)}"
-    if _kinds(reg.kv_groups()) != _kinds(local.kv_groups()) or reg.group_of_planes() != local.group_of_planes():
+    pairs = plane_pairs(local, reg)
+    if isinstance(pairs, str):
+        return pairs
+    p_groups, d_groups = reg.group_of_planes(), local.group_of_planes()
+    if len(reg.block_shapes) != len(reg.planes) or len(p_groups) != len(reg.planes):
+        return f"it describes {len(reg.planes)} KV planes with {len(reg.block_shapes)} block shapes and " \
+               f"{len(p_groups)} group indices"
+    if _kinds(reg.kv_groups()) != _kinds(local.kv_groups()) or any(p_groups[q] != d_groups[d] for d, q in pairs):
         return (f"KV-cache groups: P has {_groups_text(reg.kv_groups())}, D has {_groups_text(local.kv_groups())} "
                 "(the same model on both, with the hybrid allocator on both or off on both)")
-    for i, (p_sh, d_sh) in enumerate(zip(reg.block_shapes, local.shapes)):
+    for i, q in pairs:
+        p_sh, d_sh = reg.block_shapes[q], local.shapes[i]
         if p_sh.inner_bytes != d_sh.inner_bytes:
             return f"plane {i}: bytes per head and token: P {p_sh.inner_bytes}, D {d_sh.inner_bytes} (head size)"
         if _interior(p_sh) != _interior(d_sh):

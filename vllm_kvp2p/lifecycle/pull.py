@@ -40,6 +40,7 @@ from vllm_kvp2p.lifecycle.pull_actions import (
     Source,
     Wait,
 )
+from vllm_kvp2p.lifecycle.stages import coverage_problem, plane_pairs
 from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew, UnitSums
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
@@ -80,6 +81,7 @@ class _SourceState:
     registration_in_claim: bool = False  # none cached: the claim asks for it
     fetch_registration: bool = False  # P granted without it (an older P): fetch it before reading
     verification: Verification | None = None  # the integrity question for what is read from this rank
+    pairs: tuple[tuple[int, int], ...] = ()  # (D plane, P plane) of the layers both hold
 
 
 class ConsumerPull:
@@ -357,7 +359,23 @@ class ConsumerPull:
 
     def _next_source(self) -> None:
         self._cursor += 1
-        self._phase = _Phase.RELEASE if self._cursor >= len(self._readable) else _Phase.REGISTRATION
+        if self._cursor < len(self._readable):
+            self._phase = _Phase.REGISTRATION
+            return
+        self._phase = _Phase.RELEASE
+        problem = coverage_problem(self.local, self._layers_read())
+        if problem:
+            self._fail(f"P's layers do not fill D's: {problem}", Failure.INCOMPATIBLE)
+
+    def _layers_read(self) -> list[tuple[int, list[str]]]:
+        """Per P rank read: its TP rank and D's layers it filled."""
+        tp_size, of_plane = self.plan.remote.tp_size, self.local.layer_of_planes()
+        names = self.local.layer_names
+        if not names:  # a D that names no layers (a hand-made one) pairs planes by position only
+            return []
+        return [(self._sources[i].source.p_rank % tp_size,
+                 list(dict.fromkeys(names[of_plane[d]] for d, _ in self._sources[i].pairs)))
+                for i in self._readable]
 
     def _holds_lease(self, st: _SourceState) -> bool:
         return bool(st.lease) and not st.released
@@ -388,8 +406,11 @@ class ConsumerPull:
         if problem:
             self._fail(f"P rank {source.p_rank} is incompatible: {problem}", Failure.INCOMPATIBLE)
             return False
+        pairs = plane_pairs(self.local, registration)
+        assert not isinstance(pairs, str)  # registration_problem said it pairs
+        st.pairs = pairs
         try:
-            descriptors = self._descriptors_for(source, registration)
+            descriptors = self._descriptors_for(source, registration, pairs)
         except ValueError as exc:
             self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}", Failure.INCOMPATIBLE)
             return False
@@ -416,17 +437,19 @@ class ConsumerPull:
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
                        self._pulled(source), st.lease_token, asked.query if asked is not None else None)
 
-    def _descriptors_for(self, source: Source, reg: RankRegistration) -> Descriptors:
+    def _descriptors_for(self, source: Source, reg: RankRegistration,
+                         pairs: Sequence[tuple[int, int]]) -> Descriptors:
         """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
         plan, local = self.plan, self.local
-        local_of, remote_of = local.group_of_planes(), reg.group_of_planes()
+        local_of = local.group_of_planes()
         groups = local.kv_groups()
         out = Descriptors([], [], [])
         for g, (local_ids, remote_ids) in enumerate(zip(plan.local_block_ids, plan.remote_block_ids)):
             if not local_ids:
                 continue
-            mine = [i for i, pg in enumerate(local_of) if pg == g]
-            theirs = [i for i, pg in enumerate(remote_of) if pg == g]
+            # The planes of the layers both hold (every plane without pipeline stages); groups match per pair.
+            mine = [d for d, _ in pairs if local_of[d] == g]
+            theirs = [q for d, q in pairs if local_of[d] == g]
             if groups[g].kind == STATE:  # whole state pages, rank to rank (same TP on both sides, checked)
                 d = build_descriptors([local.planes[i] for i in mine], [reg.planes[i] for i in theirs],
                                       local_ids, remote_ids)
@@ -492,12 +515,14 @@ class ConsumerPull:
 
 def _plane_name(reg: RankRegistration, plane: int) -> str:
     """A plane as an operator knows it: its layer, and K or V where they are separate planes (NPU)."""
-    layers, planes = len(reg.layer_names), len(reg.planes)
-    if layers and planes == layers:
-        return f"layer {reg.layer_names[plane]}"
-    if layers and planes == 2 * layers:
-        return f"layer {reg.layer_names[plane // 2]} {'KV'[plane % 2]}"
-    return f"plane {plane}"
+    of_plane = reg.layer_of_planes()
+    if not reg.layer_names or plane >= len(of_plane):
+        return f"plane {plane}"
+    layer = of_plane[plane]
+    same = [i for i, x in enumerate(of_plane) if x == layer]
+    if len(same) == 2:
+        return f"layer {reg.layer_names[layer]} {'KV'[same.index(plane)]}"
+    return f"layer {reg.layer_names[layer]}" if len(same) == 1 else f"layer {reg.layer_names[layer]} plane {plane}"
 
 
 def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:

@@ -17,7 +17,7 @@ from typing import Union
 from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.consumer import Failure
 from vllm_kvp2p.lifecycle.integrity import Verification
-from vllm_kvp2p.protocol import Claim, Release, Renew
+from vllm_kvp2p.protocol import Claim, Release, Renew, layers_of_planes
 from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
@@ -38,12 +38,17 @@ class LocalKV:
     plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
     tp_size: int = 1
     model_fingerprint: str = ""  # vllm_kvp2p/identity.py; empty: not compared
+    plane_layers: tuple[int, ...] = ()  # layer index of each plane; empty: as many planes per layer
+    pp_size: int = 1  # D's pipeline stages: this rank holds its stage's layers only
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return self.groups or single_full_group(self.block_size)
 
     def group_of_planes(self) -> tuple[int, ...]:
         return self.plane_groups or (0,) * len(self.planes)
+
+    def layer_of_planes(self) -> tuple[int, ...]:
+        return self.plane_layers or layers_of_planes(len(self.planes), len(self.layer_names))
 
 
 @dataclass(frozen=True)

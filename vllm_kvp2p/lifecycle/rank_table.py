@@ -1,8 +1,9 @@
 """Where each rank of a P engine listens, and whether D may use what P says about it (pure: no sockets).
 
 An engine can span nodes (tensor parallel across nodes, a Ray or multi-node executor): its ranks listen on their
-own nodes' addresses. The params name one entry point, ``remote_host:remote_port`` (P's rank 0, on the node of
-P's engine core); for ``tp_size`` > 1, D asks that entry point for the engine's :class:`RankTable` (gathered by P's
+own nodes' addresses. A rank of an engine is numbered ``stage * tp_size + tp rank`` over its pipeline stages. The
+params name one entry point, ``remote_host:remote_port`` (P's rank 0, on the node of P's engine core); for an
+engine of more than one rank, D asks that entry point for the engine's :class:`RankTable` (gathered by P's
 ranks over vLLM's process groups at registration) and then contacts rank r where the table says. The table comes
 over the side channel, authenticated when a secret is set, so a client's params can name only the entry point:
 every other host D contacts is one P named.
@@ -54,16 +55,17 @@ def table_problem(table: RankTable, remote: RemotePrefill, peer_ports: PortRange
     if remote.remote_incarnation and table.incarnation != remote.remote_incarnation:
         return (f"P restarted: the params are from incarnation {_quote(remote.remote_incarnation)}, the rank table "
                 f"from {_quote(table.incarnation or 'none')}")
-    ranks = [entry.tp_rank for entry in table.ranks]
-    if sorted(ranks) != list(range(remote.tp_size)):
+    ranks = [entry.rank for entry in table.ranks]
+    if sorted(ranks) != list(range(remote.num_ranks)):
         shown = ", ".join(map(str, sorted(ranks)[:8])) + (", ..." if len(ranks) > 8 else "")
-        return f"the rank table lists ranks [{shown}], the params name tp_size {remote.tp_size}"
-    by_rank = {entry.tp_rank: entry for entry in table.ranks}
+        return (f"the rank table lists ranks [{shown}], the params name {remote.num_ranks} "
+                f"(tp_size {remote.tp_size} x pp_size {remote.pp_size})")
+    by_rank = {entry.rank: entry for entry in table.ranks}
     entry = by_rank[0]
     if not (_same_address(entry.host, remote.remote_host) and entry.port == remote.remote_port):
         return (f"the rank table puts rank 0 at {_quote(entry.host)}:{entry.port}, the params' entry point is "
                 f"{remote.remote_host}:{remote.remote_port}")
-    for rank in range(remote.tp_size):
+    for rank in range(remote.num_ranks):
         ep = by_rank[rank]
         problem = host_problem(ep.host)
         if problem:
@@ -76,12 +78,12 @@ def table_problem(table: RankTable, remote: RemotePrefill, peer_ports: PortRange
 
 def endpoints_of(table: RankTable) -> tuple[Endpoint, ...]:
     """Per rank, in rank order, the endpoint of an accepted table."""
-    return tuple((e.host, e.port) for e in sorted(table.ranks, key=lambda e: e.tp_rank))
+    return tuple((e.host, e.port) for e in sorted(table.ranks, key=lambda e: e.rank))
 
 
 def entry_only(remote: RemotePrefill) -> tuple[Endpoint, ...] | None:
     """The endpoints when no table is needed (P has one rank: the entry point is all of it), else None."""
-    return ((remote.remote_host, remote.remote_port),) if remote.tp_size == 1 else None
+    return ((remote.remote_host, remote.remote_port),) if remote.num_ranks == 1 else None
 
 
 def table_of(engine_id: str, incarnation: str, endpoints: dict[int, Endpoint]) -> RankTable:

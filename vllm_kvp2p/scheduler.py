@@ -347,11 +347,15 @@ class SchedulerSide:
                 logger.debug("receives of %s reached the scheduler", sorted(connector_output.finished_recving))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVP2PWorkerMetadata):
-            # Keep reports only for requests still alive; an aborted one's pull may end after it finished.
-            self._reports.update((k, v) for k, v in meta.reports.items() if self.consumer.is_planned(k))
-            for report in meta.reports.values():
-                if report.failure:
+            # Keep reports only for requests still alive; an aborted one's pull may end after it finished. The
+            # ranks of D report in the steps their pulls end in (not always the same one): merged per request, and
+            # a failed pull counted once per request.
+            for request_id, report in meta.reports.items():
+                earlier = self._reports.get(request_id)
+                if report.failure and not (earlier and earlier.failure):
                     self.stats.record_failure(report.failure)
+                if self.consumer.is_planned(request_id):
+                    self._reports[request_id] = earlier.merge(report) if earlier else report
 
     def get_kv_connector_stats(self) -> Kvp2pStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()

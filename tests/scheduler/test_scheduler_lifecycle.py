@@ -281,6 +281,22 @@ def test_d_basic_pull_lifecycle(num_tokens):
     release_on_p(p_sched, "p1")
 
 
+def test_d_ranks_that_report_in_different_steps_give_one_merged_report():
+    """D at TP 2 (or with pipeline stages): each rank reports its share of a pull in the step its own pull ended
+    in; the request's report sums them, not the last one alone (found with D at TP 2 over P's stages:
+    the report showed half the bytes)."""
+    sched = d_scheduler()
+    sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=remote_params(40)))
+    (plan,) = step(sched).meta.pulls
+    half = report(3)
+    step(sched, worker_meta=KVP2PWorkerMetadata({"d1": half}))  # rank 0 done; vLLM waits for rank 1
+    steps = run_until_idle(sched, finished_recving={"d1"}, worker_meta=KVP2PWorkerMetadata({"d1": half}))
+    out = {o.request_id: o for s in steps for o in s.outputs if o.finish_reason is not None}["d1"]
+    merged = out.kv_transfer_params[PULL_REPORT_KEY]
+    assert (merged["blocks"], merged["bytes"], merged["descriptors"]) == (3, 2 * half.bytes, 2 * half.descriptors)
+    assert_scheduler_empty(sched)
+
+
 def test_d_matched_tokens_is_pure():
     sched = d_scheduler()
     request = make_request("d1", 40, max_tokens=2, kv_transfer_params=remote_params(40))

@@ -180,3 +180,14 @@ def test_absurd_setting_values_are_problems_naming_the_setting(value: str) -> No
     # A value that does not parse is named as given (the variable), one that parses but is out of range by key.
     assert [s for s, _ in problems(report)] in (["side_channel_port"], ["VLLM_KVP2P_SIDE_CHANNEL_PORT"]), \
         report.to_text()
+
+
+def test_pipeline_stages_count_in_the_side_channel_ports() -> None:
+    """P at PP 2 x TP 2 x DP 2 listens on 8 ports: each DP rank's 4 ranks (stage * tp_size + tp rank)."""
+    from vllm_kvp2p.cli.check import side_channel_ports
+    from vllm_kvp2p.config import KVP2PConfig
+
+    config = KVP2PConfig.from_sources({"side_channel_port": 20000}, {})
+    assert side_channel_ports(config, 2, 2, pp_size=2) == list(range(20000, 20008))
+    assert [config.side_channel_port_for(dp, 4, rank) for dp in range(2) for rank in range(4)] == \
+        side_channel_ports(config, 2, 2, pp_size=2)

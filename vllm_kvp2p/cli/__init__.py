@@ -1,6 +1,7 @@
 """``vllm-kvp2p``: the operator's command, with subcommands.
 
-    vllm-kvp2p check [--kv-transfer-config JSON] [--tensor-parallel-size N] [--data-parallel-size N] [--json]
+    vllm-kvp2p check [--kv-transfer-config JSON] [--tensor-parallel-size N] [--pipeline-parallel-size N]
+                     [--data-parallel-size N] [--json]
     vllm-kvp2p config-reference [--write docs/configuration.md]
 
 ``check`` reads the environment and the ``--kv-transfer-config`` an engine would be given, prints every
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="the JSON given to `vllm serve --kv-transfer-config` (or @file); default: kv_both, "
                             "no extra config")
     check.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    check.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     check.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     check.add_argument("--no-engine", action="store_true", help="do not start a Mooncake engine")
     check.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"PROBLEM  --kv-transfer-config: {exc}", file=sys.stderr)
         return 2
     report = run(kv_config, os.environ, args.tensor_parallel_size, args.data_parallel_size,
-                 engine=not args.no_engine)
+                 engine=not args.no_engine, pp_size=args.pipeline_parallel_size)
     print(report.to_json() if args.json else report.to_text())
     return 0 if report.ok else 1
 

@@ -51,6 +51,7 @@ class CheckReport:
     role: str = ""
     tp_size: int = 1
     dp_size: int = 1
+    pp_size: int = 1
     settings: list[tuple[str, str, str]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
 
@@ -65,6 +66,7 @@ class CheckReport:
     def to_json(self) -> str:
         return json.dumps({
             "ok": self.ok, "role": self.role, "tp_size": self.tp_size, "dp_size": self.dp_size,
+            "pp_size": self.pp_size,
             "settings": [{"key": k, "value": v, "source": s} for k, v, s in self.settings],
             "problems": [asdict(f) for f in self.problems],
             "warnings": [asdict(f) for f in self.findings if f.level == WARNING],
@@ -72,7 +74,8 @@ class CheckReport:
         }, indent=2)
 
     def to_text(self) -> str:
-        lines = [f"vllm-kvp2p check: {CONNECTOR_NAME} as {self.role or '?'}, TP {self.tp_size} x DP {self.dp_size}"]
+        lines = [f"vllm-kvp2p check: {CONNECTOR_NAME} as {self.role or '?'}, TP {self.tp_size} x PP {self.pp_size} x DP "
+                 f"{self.dp_size}"]
         if self.settings:
             lines.append("settings:")
             width = max(len(k) for k, _, _ in self.settings)
@@ -126,25 +129,26 @@ def version_findings(env: Mapping[str, str]) -> list[Finding]:
     return found
 
 
-def side_channel_ports(config: KVP2PConfig, tp_size: int, dp_size: int) -> list[int]:
+def side_channel_ports(config: KVP2PConfig, tp_size: int, dp_size: int, pp_size: int = 1) -> list[int]:
     # The layout of config.side_channel_port_for, computed here: that one refuses a port in Mooncake's range, which
     # this check reports (all of them, as a finding) instead.
-    return [config.side_channel_port + d * tp_size + r for d in range(dp_size) for r in range(tp_size)]
+    ranks = tp_size * pp_size
+    return [config.side_channel_port + d * ranks + r for d in range(dp_size) for r in range(ranks)]
 
 
 def port_findings(config: KVP2PConfig, role: str, tp_size: int, dp_size: int, advertised: str,
-                  try_bind: Callable[[str, int], OSError | None]) -> list[Finding]:
+                  try_bind: Callable[[str, int], OSError | None], pp_size: int = 1) -> list[Finding]:
     """P's side-channel ports: outside Mooncake's range, free, on an address this host has."""
     if role == "kv_consumer":
         return [Finding(OK, "side_channel_port", "not used by a consumer (D contacts P's ports)")]
     bind = config.side_channel_bind_host(advertised)
     setting = "bind_host" if config.bind_host else "host"
     found = []
-    ports = side_channel_ports(config, tp_size, dp_size)
+    ports = side_channel_ports(config, tp_size, dp_size, pp_size)
     clash = [p for p in ports if MOONCAKE_RPC_PORTS[0] <= p <= MOONCAKE_RPC_PORTS[1]]
     if clash:
         found.append(Finding(PROBLEM, "side_channel_port", f"ports {clash[0]}..{clash[-1]} of this instance's "
-                             f"{len(ports)} (base {config.side_channel_port} + dp_rank*tp_size + tp_rank) lie in "
+                             f"{len(ports)} (base {config.side_channel_port} + dp_rank*pp_size*tp_size + rank) lie in "
                              "Mooncake's RPC range 15000..17000; choose a base that keeps them all outside it"))
     for port in ports:
         error = try_bind(bind, port)
@@ -329,9 +333,10 @@ def is_local_address(host: str) -> bool:
 
 
 def run(kv_transfer_config: Mapping[str, Any], env: Mapping[str, str], tp_size: int = 1, dp_size: int = 1,
-        *, engine: bool = True) -> CheckReport:
+        *, engine: bool = True, pp_size: int = 1) -> CheckReport:
     """Every check, in the order an engine meets them; ``engine=False`` skips starting Mooncake."""
-    report = CheckReport(role=str(kv_transfer_config.get("kv_role", "")), tp_size=tp_size, dp_size=dp_size)
+    report = CheckReport(role=str(kv_transfer_config.get("kv_role", "")), tp_size=tp_size, dp_size=dp_size,
+                         pp_size=pp_size)
     add = report.findings.extend
     add(transfer_config_findings(kv_transfer_config))
     add(version_findings(env))
@@ -360,7 +365,7 @@ def run(kv_transfer_config: Mapping[str, Any], env: Mapping[str, str], tp_size: 
     platform = get_platform(config.platform)
     protocol = config.protocol or platform.default_protocol
     add(address_findings(config, advertised, is_local_address))
-    add(port_findings(config, report.role, tp_size, dp_size, advertised, try_bind))
+    add(port_findings(config, report.role, tp_size, dp_size, advertised, try_bind, pp_size))
     add(transport_findings(config, protocol))
     add(timeout_findings(config, protocol, env))
     if engine:

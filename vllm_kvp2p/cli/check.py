@@ -74,8 +74,8 @@ class CheckReport:
         }, indent=2)
 
     def to_text(self) -> str:
-        lines = [f"vllm-kvp2p check: {CONNECTOR_NAME} as {self.role or '?'}, TP {self.tp_size} x PP {self.pp_size} x DP "
-                 f"{self.dp_size}"]
+        layout = f"TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size}"
+        lines = [f"vllm-kvp2p check: {CONNECTOR_NAME} as {self.role or '?'}, {layout}"]
         if self.settings:
             lines.append("settings:")
             width = max(len(k) for k, _, _ in self.settings)

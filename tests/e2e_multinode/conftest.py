@@ -29,7 +29,7 @@ import pytest
 from tests.support.namespaces import NO_HOST_SETTINGS, namespaces
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
 from vllm_kvp2p.testing.netns import Network
-from vllm_kvp2p.testing.server import VllmServer, free_port, free_port_run
+from vllm_kvp2p.testing.server import PIPELINE_STAGE_ARGS, VllmServer, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 ENGINE_ARGS = ("--max-model-len", "512", "--max-num-seqs", "4")
@@ -149,13 +149,6 @@ def dp_over_nodes(network: Network, tiny_model_dir: Path,
         yield deployment
 
 
-#: vLLM on CPU runs pipeline stages only with a compilation mode other than NONE (measured on 0.32: with
-#: --enforce-eager the first request kills the engine, ``assert self.intermediate_tensors is not None`` in
-#: gpu_model_runner.py, because the CPU worker skips the warm-up that makes them when the KV size is explicit).
-#: Dynamo without inductor (backend "eager") runs it on 0.23 and 0.32 alike.
-PIPELINE_COMPILATION = ("--no-enforce-eager", "--compilation-config", '{"mode": 1, "backend": "eager"}')
-
-
 @pytest.fixture(scope="module")
 def pp_over_nodes(network: Network, tiny_model_dir: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeDeployment]:
@@ -166,8 +159,7 @@ def pp_over_nodes(network: Network, tiny_model_dir: Path,
     cpus = sorted(os.sched_getaffinity(0))
     with MultiNodeDeployment(
         network, tiny_model_dir, tmp_path_factory.mktemp("pp-nodes-logs"), ranks=2,
-        p_args=("--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp", *master,
-                *PIPELINE_COMPILATION),
+        p_args=("--pipeline-parallel-size", "2", *master, *PIPELINE_STAGE_ARGS),
         head_args=("--node-rank", "0"), worker_args=("--node-rank", "1"),
         p_env={"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "TORCH_COMPILE_DISABLE": None},
         d_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},

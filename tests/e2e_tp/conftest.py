@@ -1,6 +1,7 @@
-"""One real P/D deployment with unequal tensor parallelism per test session: a prefill ``vllm serve`` at
+"""One real P/D deployment with unequal layouts per test session: a prefill ``vllm serve`` at
 ``--tensor-parallel-size 2`` (kv_producer, one worker process per rank, each pinned to its own core), a decode
-``vllm serve`` at TP 1 (kv_consumer, failed loads recomputed) and the proxy console script, all on 127.0.0.1.
+``vllm serve`` at ``--pipeline-parallel-size 2`` x TP 1 (kv_consumer, failed loads recomputed; a pipeline stage per
+core) and the proxy console script, all on 127.0.0.1. Each D stage reads its own layers from both P ranks.
 
 What vLLM's CPU backend needs for TP 2 on this kind of machine (2 cores, 1 NUMA node), measured:
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
-from vllm_kvp2p.testing.server import VllmServer, free_port, free_port_run
+from vllm_kvp2p.testing.server import PIPELINE_STAGE_ARGS, VllmServer, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 
@@ -53,6 +54,7 @@ class TPCluster:
     log_dir: Path
     prefill_tp: int = 2
     decode_tp: int = 1
+    decode_pp: int = 1
     prefill_cpus: str = "0|1"  # VLLM_CPU_OMP_THREADS_BIND: one CPU list per rank, "|"-separated
     decode_cpus: str = "1"
     prefill_env: Mapping[str, str] = field(default_factory=dict)
@@ -76,8 +78,8 @@ class TPCluster:
             self.model_path, free_port(), cpus=self.decode_cpus, log_path=self.log_dir / "decode.log",
             extra_args=("--kv-transfer-config",
                         kv_transfer_config("kv_consumer", self.decode_failure_policy, **self.decode_extra_config),
-                        *_tp_args(self.decode_tp)),
-            env={**common, **self.decode_env},
+                        *_tp_args(self.decode_tp), *_pp_args(self.decode_pp)),
+            env={**common, **self.decode_env, **({"TORCH_COMPILE_DISABLE": None} if self.decode_pp > 1 else {})},
             ready_timeout=self.ready_timeout,
         )
         self.proxy: ProxyProcess | None = None
@@ -118,6 +120,10 @@ def _tp_args(tp: int) -> tuple[str, ...]:
     return ("--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp")
 
 
+def _pp_args(pp: int) -> tuple[str, ...]:
+    return () if pp == 1 else ("--pipeline-parallel-size", str(pp), *PIPELINE_STAGE_ARGS)
+
+
 @pytest.fixture(scope="session")
 def tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
@@ -132,7 +138,8 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         tp_model_dir,
         tmp_path_factory.mktemp("tp-logs"),
         prefill_cpus=f"{cpus[0]}|{cpus[1]}",
-        decode_cpus=str(cpus[1]),
+        decode_pp=2,
+        decode_cpus=f"{cpus[0]}|{cpus[1]}",  # one core per stage
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
         decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
         decode_extra_config={"integrity": "full"},

@@ -1,11 +1,13 @@
-"""End to end with unequal tensor parallelism: P prefills at ``--tensor-parallel-size 2`` (each rank holds one of
-the tiny model's two KV heads), D decodes at TP 1 and must read its two heads from the two P ranks. Through the
-proxy, D's greedy tokens and logprobs must equal those of a single instance, D must have pulled every prompt block
-(and computed none of the prompt), and P must end holding no KV blocks.
+"""End to end with unequal layouts: P prefills at ``--tensor-parallel-size 2`` (each rank holds one of the tiny
+model's two KV heads), D decodes at ``--pipeline-parallel-size 2`` x TP 1 (each stage holds half of the layers)
+and each D stage must read both heads of its own layers from the two P ranks. Through the proxy, D's greedy tokens
+and logprobs must equal those of a single instance, D must have pulled every prompt block (and computed none of
+the prompt), and P must end holding no KV blocks (each P rank waits for both D stages: had D told P of fewer
+readers, P would free blocks a stage still reads; of more, P would keep them until its hold timeout).
 
 The single-instance baseline runs on P itself (plain request, own ``cache_salt``). P at TP 2 computes the same as an
-instance at TP 1 up to float32 noise: measured max logprob gap 3-5e-6 over the lengths below, far inside
-``LOGPROB_TOL`` (1e-4); ``test_tp2_prefill_computes_what_tp1_decode_computes`` checks it against D on every run.
+instance at TP 1 (or PP 2) up to float32 noise: measured max logprob gap 3-5e-6 over the lengths below, far inside
+``LOGPROB_TOL`` (1e-4); ``test_tp2_prefill_computes_what_the_decode_computes`` checks it against D on every run.
 """
 
 from __future__ import annotations
@@ -61,8 +63,16 @@ def test_prefill_runs_one_hold_service_per_rank_with_its_head_slice(tp_cluster: 
     assert len({reg.registration.engine_id for reg in regs}) == 1
 
 
-def test_tp2_prefill_computes_what_tp1_decode_computes(tp_cluster: TPCluster) -> None:
-    """The baseline's premise: P at TP 2 and an engine at TP 1 (D, computing locally) agree within tolerance."""
+def test_decode_stages_register_their_own_layers(tp_cluster: TPCluster) -> None:
+    log = tp_cluster.decode.log_path.read_text(errors="replace")
+    per_stage = NUM_LAYERS // 2
+    for rank in range(2):
+        assert re.search(rf"rank {rank}: {per_stage} layers in 1 KV-cache group", log), tp_cluster.decode.log_path
+
+
+def test_tp2_prefill_computes_what_the_decode_computes(tp_cluster: TPCluster) -> None:
+    """The baseline's premise: P at TP 2 and an engine at PP 2 x TP 1 (D, computing locally) agree within
+    tolerance."""
     for length in (64, 300):
         prompt = prompt_ids(length, seed=length)
         on_p = baseline(tp_cluster, prompt)
@@ -89,7 +99,7 @@ def test_prefill_returns_tp_size_2_params(tp_cluster: TPCluster) -> None:
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_tp2_prefill_tp1_decode_equals_single_instance(tp_cluster: TPCluster, length: int) -> None:
+def test_tp2_prefill_pp2_decode_equals_single_instance(tp_cluster: TPCluster, length: int) -> None:
     prompt = prompt_ids(length, seed=length)
     before = tokens_by_source(tp_cluster)
 
@@ -99,12 +109,14 @@ def test_tp2_prefill_tp1_decode_equals_single_instance(tp_cluster: TPCluster, le
     moved = {s: v - before[s] for s, v in tokens_by_source(tp_cluster).items()}
 
     assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single), report)
-    # D pulled exactly the prompt's blocks (both heads: one from each P rank) and computed none of the prompt.
+    # D pulled exactly the prompt's blocks (both heads: one from each P rank, each layer by the D stage holding it)
+    # and computed none of the prompt.
     assert report["ok"], f"D's pull from the TP-2 prefill failed: {report.get('reason')!r}; report {report}"
     blocks = math.ceil(length / BLOCK_SIZE)
     assert report["blocks"] == blocks, report
     assert report["bytes"] == blocks * BYTES_PER_BLOCK, report
-    # integrity=full: every block of every layer on each of P's two ranks (each read as a head slice) checked
+    # integrity=full: every block of every layer on each of P's two ranks (each read as a head slice) checked, by
+    # the two D stages together
     assert report["verified"] == 2 * blocks * NUM_LAYERS and "unverified" not in report, report
     assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 

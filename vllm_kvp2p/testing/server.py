@@ -69,6 +69,16 @@ DEFAULT_ARGS: tuple[str, ...] = (
     "--disable-uvicorn-access-log",
 )
 
+#: What an engine with pipeline stages adds (``extra_args``; with ``env={"TORCH_COMPILE_DISABLE": None}``): vLLM's
+#: CPU backend runs stages only with a compilation mode other than NONE. Measured on 0.32: with --enforce-eager the
+#: first request ends the engine (``assert self.intermediate_tensors is not None``, gpu_model_runner.py), the CPU
+#: worker skipping the warm-up that makes them when the KV size is explicit. Dynamo without inductor (backend
+#: "eager") runs them on 0.23 and 0.32 alike.
+PIPELINE_STAGE_ARGS: tuple[str, ...] = (
+    "--no-enforce-eager", "--compilation-config", '{"mode": 1, "backend": "eager"}',
+    "--distributed-executor-backend", "mp",
+)
+
 #: Environment defaults (``os.environ`` and the ``env`` argument override them).
 DEFAULT_ENV: dict[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",

@@ -177,3 +177,25 @@ def test_the_rank_table_of_a_staged_engine_lists_every_stage() -> None:
                                                                                          1: ("10.0.0.1", 14601)}),
                                                                        good, ANY_PORT)
     assert entry_only(remote) is None and entry_only(plan(pp_size=1).remote) is not None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"plane_layers": [0, 9]}, "registration puts a plane in no layer"),
+    ({"plane_layers": [0, -1]}, "registration puts a plane in no layer"),
+    ({"plane_layers": [0] * 100_000}, "gives 100000 plane layers for 2 planes"),
+    ({"layer_names": ["l2"] * 100_000}, "registration names a layer twice"),
+    ({"block_shapes": []}, "describes 2 KV planes with 0 block shapes"),
+    ({"pp_rank": 7}, "it is rank 7 (stage 7 of 2"),
+    ({"pp_size": 1 << 40}, "the params name rank 1 of tp_size 1 x pp_size 2"),
+])
+def test_a_hostile_stage_registration_gets_a_bounded_refusal(change: dict, message: str) -> None:
+    """Whatever a peer puts in the stage fields of its registration, the pull fails naming it (never an index
+    error in the state machine), and the message stays short."""
+    import msgspec
+
+    stage1 = msgspec.structs.replace(stage_registration(LAYERS[2:], 1, 2), **change)
+    registrations = {0: stage_registration(LAYERS[:2], 0, 2), 1: stage1}
+    job = ConsumerPull(plan(), sources_of(rank_plan(Layout(1, 2), Layout(1, 2), 0), 1, 2, 1), "D:0", d_local(),
+                       claim_wait=1.0, max_batch_entries=64, now=0.0)
+    outcome, reason, _ = run(job, registrations)
+    assert outcome is Outcome.FAILED and message in reason and len(reason) <= 1010, reason

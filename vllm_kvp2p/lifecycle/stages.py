@@ -59,6 +59,9 @@ def plane_pairs(local: LocalKV, reg: RankRegistration) -> tuple[tuple[int, int],
         if len(reg.planes) != len(local.planes):
             return f"P has {len(reg.planes)} KV planes, D has {len(local.planes)}"
         return tuple((i, i) for i in range(len(local.planes)))
+    if reg.plane_layers and len(reg.plane_layers) != len(reg.planes):
+        return (f"P rank {reg.rank}'s registration gives {len(reg.plane_layers)} plane layers for "
+                f"{len(reg.planes)} planes")
     theirs = _planes_by_layer(reg.layer_names, reg.layer_of_planes())
     if isinstance(theirs, str):
         return f"P rank {reg.rank}'s registration {theirs}"

@@ -72,3 +72,16 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 def tokens_by_source(cluster: Cluster) -> dict[str, float]:
     """D's ``vllm:prompt_tokens_by_source_total`` per source: where the prompt tokens of its requests came from."""
     return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in PROMPT_SOURCES}
+
+
+def through_the_proxy(cluster: Cluster, prompt: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
+    """One request through the proxy, its answer checked against the single instance (P itself): D's pull report
+    and how many of the prompt's tokens D computed and loaded for it."""
+    from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+
+    before = tokens_by_source(cluster)
+    pd = post(cluster.proxy_url + "/v1/completions", completion_body(prompt))
+    single = baseline(cluster, prompt)
+    assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
+    moved = {s: v - before[s] for s, v in tokens_by_source(cluster).items()}
+    return pd["kv_transfer_params"][PULL_REPORT_KEY], moved

@@ -14,17 +14,10 @@ import pytest
 from tests.e2e.helpers import (
     BLOCK_SIZE,
     BYTES_PER_BLOCK,
-    LOGPROB_TOL,
-    baseline,
-    completion_body,
-    max_logprob_gap,
-    post,
     prompt_ids,
-    tokens_and_logprobs,
-    tokens_by_source,
+    through_the_proxy,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:
@@ -68,17 +61,11 @@ def test_output_equals_single_instance_with_p_ranks_on_two_nodes(tp_over_nodes: 
                                                                   length: int) -> None:
     d = tp_over_nodes
     prompt = prompt_ids(length, seed=700 + length)
-    before = tokens_by_source(d)
-    pd = post(d.proxy_url + "/v1/completions", completion_body(prompt))
-    single = baseline(d, prompt)
-    assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
-    report = pd["kv_transfer_params"][PULL_REPORT_KEY]
+    report, moved = through_the_proxy(d, prompt)
     blocks = math.ceil(length / BLOCK_SIZE)
     # D (TP 1) holds every head; each P rank holds half of them: all bytes of every block, from both nodes.
     assert report["ok"] and report["blocks"] == blocks and report["bytes"] == blocks * BYTES_PER_BLOCK, report
-    after = tokens_by_source(d)
-    assert after["local_compute"] - before["local_compute"] == 0
-    assert after["external_kv_transfer"] - before["external_kv_transfer"] == length
+    assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 
 
 def test_both_engines_end_idle(tp_over_nodes: MultiNodeDeployment) -> None:

@@ -22,6 +22,7 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:
     from tests.e2e_multinode.conftest import MultiNodeDeployment
@@ -43,6 +44,9 @@ def test_each_engine_core_names_its_own_node_and_d_pulls_from_it(dp_over_nodes: 
             break
     hosts = {params["remote_host"]: params["remote_port"] for _, params in held}
     assert hosts == {d.net["p0"].address: d.side_channel_port, d.net["p1"].address: d.side_channel_port + 1}, hosts
+    # The single-host assumption (the head's address for every core) would find no core 1 on the head node.
+    assert not {(d.net["p0"].address, d.side_channel_port + 1), ("0.0.0.0", d.side_channel_port + 1)} & \
+        listening_sockets(d.net["p0"].name)
     for prompt, params in held:
         out = post(d.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
         report = out["kv_transfer_params"][PULL_REPORT_KEY]

@@ -140,8 +140,10 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         prefill_cpus=f"{cpus[0]}|{cpus[1]}",
         decode_pp=2,
         decode_cpus=f"{cpus[0]}|{cpus[1]}",  # one core per stage
-        prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "5"},
-        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "5", "VLLM_KVP2P_CLAIM_WAIT": "5"},
+        # Four workers on two cores: one CI run saw a 6-entry read of P rank 0 take over 5 s (every pull before
+        # and after it took milliseconds), so reads get 20 s here; no test in this package is about a timeout.
+        prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "20"},
+        decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "20", "VLLM_KVP2P_CLAIM_WAIT": "5"},
         decode_extra_config={"integrity": "full"},
     ) as cluster:
         yield cluster

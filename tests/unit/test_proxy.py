@@ -26,7 +26,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, LeastOutstandingBalancer, PDProxy, create_app
+from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, InstancePool, PDProxy, create_app
+from vllm_kvp2p.proxy.instances import Lease
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
 
 # Generous per-test caps: the bounds that matter are asserted inside the tests; these only stop a hang.
@@ -80,7 +81,8 @@ class DroppingServer:
     """A raw TCP "P" that reads each HTTP request in full, then hangs up without answering.
 
     ``mode="close"`` closes cleanly (the client sees the server disconnect without a response), ``mode="reset"``
-    aborts with an RST (connection reset), as a P whose process died would. ``attempts`` counts the requests.
+    aborts with an RST (connection reset), as a P whose process died would. ``attempts`` counts the requests
+    (not the proxy's ``/health`` probes).
     """
 
     def __init__(self, mode: str, delay_s: float = 0.0) -> None:
@@ -126,7 +128,8 @@ class DroppingServer:
                     return
                 rest += chunk
             with self._lock:
-                self.attempts += 1
+                if not head.startswith(b"GET /health"):  # the proxy's probes of a skipped instance are not requests
+                    self.attempts += 1
             time.sleep(self.delay_s)
             if self.mode == "reset":
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -344,8 +347,30 @@ def assert_openai_error(resp: httpx.Response, status: int, *needles: str) -> str
 # --------------------------------------------------------------------------------------------------------------
 
 
+class LeastOutstanding:
+    """The pool under ``least-outstanding`` routing, spoken to in urls (the tests below predate leases)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.pool = InstancePool(urls)
+        self.leases: dict[str, list] = {}
+
+    def acquire(self, exclude: str | None = None) -> str:
+        lease = self.pool.acquire(exclude=exclude)
+        self.leases.setdefault(lease.url, []).append(lease)
+        return lease.url
+
+    def release(self, url: str) -> None:
+        self.pool.release(self.leases[url].pop() if self.leases.get(url) else Lease(url, 0, 0))
+
+    def outstanding(self, url: str) -> int:
+        return self.pool.outstanding(url)
+
+    def snapshot(self) -> list[dict]:
+        return self.pool.snapshot()
+
+
 def test_balancer_ties_round_robin() -> None:
-    b = LeastOutstandingBalancer(["a", "b", "c"])
+    b = LeastOutstanding(["a", "b", "c"])
     picks = []
     for _ in range(6):
         u = b.acquire()
@@ -355,7 +380,7 @@ def test_balancer_ties_round_robin() -> None:
 
 
 def test_balancer_least_outstanding() -> None:
-    b = LeastOutstandingBalancer(["a", "b"])
+    b = LeastOutstanding(["a", "b"])
     assert b.acquire() == "a"
     assert b.acquire() == "b"
     assert b.acquire() == "a"  # tie 1/1 -> round robin
@@ -369,21 +394,21 @@ def test_balancer_least_outstanding() -> None:
 
 
 def test_balancer_release_paths() -> None:
-    b = LeastOutstandingBalancer(["a"])
-    with pytest.raises(RuntimeError), b.lease() as u:
-        assert b.outstanding(u) == 1
+    b = LeastOutstanding(["a"])
+    with pytest.raises(RuntimeError), b.pool.lease() as lease:
+        assert b.outstanding(lease.url) == 1
         raise RuntimeError("boom")
     assert b.outstanding("a") == 0
     b.release("a")  # extra release cannot go negative
     assert b.outstanding("a") == 0
     with pytest.raises(ValueError):
-        LeastOutstandingBalancer([])
+        InstancePool([])
     with pytest.raises(ValueError):
-        LeastOutstandingBalancer(["a", "a"])
+        InstancePool(["a", "a"])
 
 
 def test_balancer_exclude() -> None:
-    b = LeastOutstandingBalancer(["a", "b", "c"])
+    b = LeastOutstanding(["a", "b", "c"])
     assert b.acquire(exclude="a") == "b"  # a would be next in round robin
     assert b.acquire(exclude="c") == "a"  # least outstanding among a and b (0 vs 1)
     # a=1, b=1, c=0: c is the least loaded, but excluded -> tie a/b broken round robin from the cursor (b).
@@ -402,7 +427,7 @@ def test_balancer_exclude() -> None:
     assert b.acquire() == "b"  # without exclude, b is back in the rotation
     b.release("b")
     # A single instance is returned even when excluded (a retry then goes to the same one).
-    single = LeastOutstandingBalancer(["only"])
+    single = LeastOutstanding(["only"])
     assert single.acquire(exclude="only") == "only"
     assert single.outstanding("only") == 1
     with pytest.raises(KeyError):
@@ -690,7 +715,10 @@ def test_health_and_models(stubs: dict[str, Stub], make_proxy: Callable[..., str
     body = h.json()
     assert body["status"] == "ok"
     assert [e["url"] for e in body["prefill"]] == [stubs["P0"].url, stubs["P1"].url]
-    assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "served": 0}]
+    assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "pending_tokens": 0, "served": 0,
+                               "prefix_hits": 0, "hit_tokens": 0, "state": "up", "failures": 0}]
+    assert body["routing"] == {"policy": "prefix-aware", "prefix_weight": 1.0, "kv_events": False,
+                               "index_blocks": 0, "tokenize_failures": 0}
     probed = httpx.get(url + "/health", params={"probe": "true"}, timeout=CLIENT_TIMEOUT).json()
     assert all(e["healthy"] for e in probed["prefill"] + probed["decode"])
     m = httpx.get(url + "/v1/models", timeout=CLIENT_TIMEOUT)
@@ -820,16 +848,23 @@ def test_prefill_retried_on_other_instance_when_p_gone(
             assert r.content == b"".join(sse_events("D0"))
         else:
             assert r.json()["choices"][0]["text"] == "D0 answer"
-        (warning,) = [w for w in retry_warnings(caplog) if rid in w]
-        assert dead in warning and error_name in warning and warning.endswith(f"retrying once on {stubs['P1'].url}")
+        warnings = [w for w in retry_warnings(caplog) if rid in w]
+        if i == 0:
+            (warning,) = warnings
+            assert dead in warning and error_name in warning
+            assert warning.endswith(f"retrying once on {stubs['P1'].url}")
+        else:
+            assert warnings == []  # the dead P is skipped after its one failed request: no retry needed
     assert len(stubs["P1"].received) == 2
     assert [d["body"]["kv_transfer_params"]["remote_engine_id"] for d in stubs["D0"].received] == ["engine-P1"] * 2
     if dead_srv is not None:
-        assert dead_srv.attempts == 2  # once per request, never twice on the dead one
+        assert dead_srv.attempts == 1  # only the first request tried it
     health = proxy_health(url)
-    assert health["prefill_retries"] == 2
+    assert health["prefill_retries"] == 1
     assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0]
-    assert [e["served"] for e in health["prefill"]] == [2, 2]
+    assert [e["served"] for e in health["prefill"]] == [1, 2]
+    assert health["prefill"][0]["state"] == "skipped" and error_name in health["prefill"][0]["last_error"]
+    assert health["prefill"][1]["state"] == "up"
 
 
 def test_prefill_retry_single_dead_p_is_502(
@@ -850,7 +885,8 @@ def test_prefill_retry_single_dead_p_is_502(
     assert stubs["D0"].received == []
     health = proxy_health(url)
     assert health["prefill_retries"] == 1
-    assert health["prefill"] == [{"url": dead.url, "outstanding": 0, "served": 2}]
+    (only,) = health["prefill"]
+    assert (only["url"], only["outstanding"], only["served"], only["state"]) == (dead.url, 0, 2, "skipped")
 
 
 @pytest.mark.parametrize("mode", ["500", "400"])
@@ -932,7 +968,7 @@ def test_prefill_retry_skips_failed_p_even_when_least_loaded(
     first.join(timeout=10.0)
     assert [x.status_code for x in (*results, r)] == [200, 200], r.text
     assert r.headers["x-kvp2p-prefill-instance"] == stubs["P1"].url
-    assert dead.attempts == 2 and len(stubs["P1"].received) == 2
+    assert dead.attempts == 1 and len(stubs["P1"].received) == 2  # skipped after its one failure
     health = proxy_health(url)
-    assert health["prefill_retries"] == 2
+    assert health["prefill_retries"] == 1
     assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0]

@@ -1,16 +1,17 @@
 """Disaggregated prefill/decode proxy (``vllm-kvp2p-proxy``).
 
-Deliberately free of vllm and torch imports: it only needs fastapi, httpx and uvicorn.
+Deliberately free of vllm and torch imports: it only needs fastapi, httpx and uvicorn (and pyzmq and msgspec to
+read the engines' KV events).
 """
 
 from __future__ import annotations
 
 from vllm_kvp2p.proxy.app import PREFILL_KV_TRANSFER_PARAMS, PDProxy, create_app, normalize_url
-from vllm_kvp2p.proxy.balancer import LeastOutstandingBalancer
+from vllm_kvp2p.proxy.instances import InstancePool
 
 __all__ = [
     "PREFILL_KV_TRANSFER_PARAMS",
-    "LeastOutstandingBalancer",
+    "InstancePool",
     "PDProxy",
     "create_app",
     "normalize_url",

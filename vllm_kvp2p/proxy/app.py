@@ -35,7 +35,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_kvp2p.proxy.balancer import LeastOutstandingBalancer
+from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, PromptHasher, make_hasher
+from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
+from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
     PassThrough,
@@ -63,12 +66,26 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 
 # Fields that make no sense (or break) a 1-token, non-streaming prefill request.
 _DROP_FOR_PREFILL: tuple[str, ...] = ("stream_options", "min_tokens", "min_completion_tokens")
+# What vLLM's /tokenize takes of a completion or chat request (vLLM's TokenizeCompletionRequest and
+# TokenizeChatRequest): the same tokens the engines will hash.
+_TOKENIZE_COMPLETION_FIELDS: tuple[str, ...] = ("model", "prompt", "add_special_tokens")
+_TOKENIZE_CHAT_FIELDS: tuple[str, ...] = (
+    "model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "tools",
+)
+# Request fields that make vLLM hash blocks with extra keys (per-request cache isolation, adapters).
+_PER_REQUEST_HASH_KEYS: tuple[str, ...] = ("cache_salt", "lora_request")
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
 _FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
+DEFAULT_TOKENIZE_TIMEOUT_S = 2.0
+#: How often the proxy asks a skipped instance's /health whether it is back.
+PROBE_INTERVAL_S = 1.0
+#: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
+UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 
 #: Transport failures that mean P went away before answering: refused, reset, closed without a response.
 #: Timeouts (``httpx.TimeoutException``, the overall deadline) are deliberately not here.
@@ -94,25 +111,33 @@ class PDProxy:
 
     def __init__(
         self,
-        prefill_urls: Sequence[str],
-        decode_urls: Sequence[str],
+        prefill: InstancePool,
+        decode: InstancePool,
         *,
         timeout_s: float,
         connect_timeout_s: float,
         health_probe_timeout_s: float,
         max_connections: int | None,
+        hasher: PromptHasher | None = None,
+        tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
-        self.prefill = LeastOutstandingBalancer([normalize_url(u) for u in prefill_urls])
-        self.decode = LeastOutstandingBalancer([normalize_url(u) for u in decode_urls])
+        self.prefill = prefill
+        self.decode = decode
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.health_probe_timeout_s = health_probe_timeout_s
         self.max_connections = max_connections
+        #: Set when prefix-aware routing has KV events to route by: prompts are then tokenized and hashed.
+        self.hasher = hasher
+        self.tokenize_timeout_s = tokenize_timeout_s
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
+        #: Prompts whose tokens could not be had (routed by load only).
+        self.tokenize_failures = 0
         self._client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -126,8 +151,18 @@ class PDProxy:
             trust_env=False,
         )
 
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="kvp2p-proxy-probe"))
+        if self.hasher is not None:
+            from vllm_kvp2p.proxy.kv_event_feed import start_feeds  # zmq only when events are configured
+
+            self._tasks.extend(start_feeds(self, self.hasher))
+
     async def stop(self) -> None:
-        """Close pooled connections on shutdown."""
+        """Stop the background tasks, close pooled connections on shutdown."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -190,37 +225,69 @@ class PDProxy:
             )
         return kv
 
-    async def _prefill_with_retry(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
-    ) -> tuple[str, dict[str, Any]]:
-        """Prefill on the least-loaded P, once more on another P if that one went away before answering.
-
-        Returns the url of the P that answered and its ``kv_transfer_params``. Both attempts share ``deadline``.
-        """
-        first_url = self.prefill.acquire()
+    async def _attempt(
+        self, lease: Lease, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
+    ) -> dict[str, Any]:
+        """One prefill on the leased P, its outcome told to the pool (health), the lease released."""
         try:
-            return first_url, await self._prefill(first_url, path, body, headers, deadline, rid)
-        except PrefillLost as exc:
-            first = exc
+            kv = await self._prefill(lease.url, path, body, headers, deadline, rid)
+        except ProxyError as exc:
+            self._outcome(self.prefill, lease.url, exc)
+            raise
+        except PassThrough:
+            self.prefill.answered(lease.url)
+            raise
+        except BaseException:
+            self.prefill.abandoned(lease.url)
+            raise
+        else:
+            self.prefill.answered(lease.url)
+            return kv
         finally:
-            self.prefill.release(first_url)
-        retry_url = self.prefill.acquire(exclude=first_url)
+            self.prefill.release(lease)
+
+    @staticmethod
+    def _outcome(pool: InstancePool, url: str, exc: ProxyError) -> None:
+        """A transport failure skips the instance for a while; an HTTP answer shows it alive."""
+        if exc.err_type in UNREACHABLE_ERROR_TYPES:
+            pool.unreachable(url, getattr(exc, "cause", exc.message))
+        else:
+            pool.answered(url)
+
+    async def _prefill_with_retry(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        deadline: float,
+        rid: str,
+        prompt: PromptBlocks | None,
+    ) -> tuple[Lease, dict[str, Any]]:
+        """Prefill on the P routing chooses, once more on another P if that one went away before answering.
+
+        Returns the lease of the P that answered (already released) and its ``kv_transfer_params``. Both attempts
+        share ``deadline``.
+        """
+        first = self.prefill.acquire(prompt=prompt)
         try:
-            self.prefill_retries += 1
-            logger.warning(
-                "request %s: prefill instance %s went away before answering (%s); retrying once on %s",
-                rid,
-                first_url,
-                first.cause,
-                retry_url,
-            )
-            return retry_url, await self._prefill(retry_url, path, body, headers, deadline, rid)
+            return first, await self._attempt(first, path, body, headers, deadline, rid)
+        except PrefillLost as exc:
+            lost = exc
+        retry = self.prefill.acquire(exclude=first.url, prompt=prompt)
+        self.prefill_retries += 1
+        logger.warning(
+            "request %s: prefill instance %s went away before answering (%s); retrying once on %s",
+            rid,
+            first.url,
+            lost.cause,
+            retry.url,
+        )
+        try:
+            return retry, await self._attempt(retry, path, body, headers, deadline, rid)
         except ProxyError as exc:
             raise ProxyError(
-                exc.status, f"{exc.message} (after a retry; first: {first.message})", exc.err_type
+                exc.status, f"{exc.message} (after a retry; first: {lost.message})", exc.err_type
             ) from exc
-        finally:
-            self.prefill.release(retry_url)
 
     async def handle(self, request: Request, path: str) -> Response:
         """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request."""
@@ -251,34 +318,79 @@ class PDProxy:
         deadline = time.monotonic() + self.timeout_s
         stream = bool(body.get("stream", False))
 
+        prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
         p_body = self.prefill_body(body, chat=path.endswith("chat/completions"))
-        p_url, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid)
+        p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
         prefill_ms = (time.monotonic() - t0) * 1000.0
 
         d_body = dict(body)
         d_body["kv_transfer_params"] = kv
         info_headers = {
             "X-Request-Id": rid,
-            "X-KVP2P-Prefill-Instance": p_url,
+            "X-KVP2P-Prefill-Instance": p_lease.url,
             "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}",
+            "X-KVP2P-Prefill-Cached-Tokens": str(p_lease.cached_tokens),
         }
-        d_url = self.decode.acquire()
-        info_headers["X-KVP2P-Decode-Instance"] = d_url
-        logger.info("request %s %s: prefill %s (%.1f ms) -> decode %s", rid, path, p_url, prefill_ms, d_url)
+        d_lease = self.decode.acquire(prompt=prompt)
+        info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
+        info_headers["X-KVP2P-Decode-Cached-Tokens"] = str(d_lease.cached_tokens)
+        logger.info(
+            "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached)",
+            rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url, d_lease.cached_tokens,
+        )
         if not stream:
             try:
-                return await self._decode_json(d_url, path, d_body, headers, deadline, info_headers)
+                return await self._decode_json(d_lease.url, path, d_body, headers, deadline, info_headers)
             finally:
-                self.decode.release(d_url)
+                self.decode.release(d_lease)
         handed_off = False
         try:
-            response = await self._decode_stream(d_url, path, d_body, headers, deadline, info_headers, rid)
+            response = await self._decode_stream(d_lease, path, d_body, headers, deadline, info_headers, rid)
             handed_off = True
             return response
         finally:
             if not handed_off:
-                self.decode.release(d_url)
+                self.decode.release(d_lease)
+
+    async def _prompt_blocks(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
+    ) -> PromptBlocks | None:
+        """The prompt's tokens, for routing by cached prefix; ``None`` (route by load) when not routing so or
+        when they cannot be had within ``tokenize_timeout_s``.
+
+        Token-id prompts are used as they are; text and chat prompts are tokenized by one P's ``/tokenize`` (the
+        engine's own tokenizer and chat template, so the tokens are those the engines will hash).
+        """
+        if self.hasher is None:
+            return None
+        if path.endswith("chat/completions"):
+            tok_body = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+            if not isinstance(body.get("messages"), list):
+                return None
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return PromptBlocks(prompt, self.hasher)
+            if not isinstance(prompt, str):
+                return None  # several prompts, or none: vLLM answers that itself
+            tok_body = {k: body[k] for k in _TOKENIZE_COMPLETION_FIELDS if k in body}
+        if any(body.get(k) for k in _PER_REQUEST_HASH_KEYS):
+            return None  # hashed with extra keys the proxy does not reproduce
+        url = min(self.prefill.instances, key=lambda inst: inst.outstanding).url
+        try:
+            with anyio.fail_after(min(self.tokenize_timeout_s, self._remaining(deadline))):
+                resp = await self.client.post(url + "/tokenize", json=tok_body, headers=headers)
+            tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+        except (TimeoutError, httpx.HTTPError, ValueError, AttributeError) as exc:
+            tokens, why = None, describe(exc)
+        else:
+            why = f"HTTP {resp.status_code}" if resp.status_code != 200 else "no token list"
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            self.tokenize_failures += 1
+            logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, url, why)
+            return None
+        return PromptBlocks(tokens, self.hasher)
 
     async def _decode_json(
         self,
@@ -294,13 +406,16 @@ class PDProxy:
             with anyio.fail_after(self._remaining(deadline)):
                 resp = await self.client.post(url + path, json=body, headers=headers)
         except (TimeoutError, httpx.HTTPError) as exc:
-            raise upstream_failure("decode", url, exc, self.timeout_s) from exc
+            err = upstream_failure("decode", url, exc, self.timeout_s)
+            self._outcome(self.decode, url, err)
+            raise err from exc
+        self.decode.answered(url)
         check_status("decode", url, resp, info_headers)
         return passthrough_response(resp, info_headers)
 
     async def _decode_stream(
         self,
-        url: str,
+        lease: Lease,
         path: str,
         body: dict[str, Any],
         headers: dict[str, str],
@@ -312,6 +427,7 @@ class PDProxy:
 
         The returned response owns the decode slot: it releases it when the stream ends, however it ends.
         """
+        url = lease.url
         req = self.client.build_request("POST", url + path, json=body, headers=headers)
         resp: httpx.Response | None = None
         try:
@@ -323,7 +439,10 @@ class PDProxy:
             if resp is not None:
                 with anyio.CancelScope(shield=True):
                     await resp.aclose()
-            raise upstream_failure("decode", url, exc, self.timeout_s) from exc
+            err = upstream_failure("decode", url, exc, self.timeout_s)
+            self._outcome(self.decode, url, err)
+            raise err from exc
+        self.decode.answered(url)
         if not 200 <= resp.status_code < 300:
             await resp.aclose()
             check_status("decode", url, resp, info_headers)
@@ -334,7 +453,7 @@ class PDProxy:
             nonlocal released
             if not released:
                 released = True
-                self.decode.release(url)
+                self.decode.release(lease)
 
         return RelayStreamingResponse(
             self._relay(resp, url, rid),
@@ -371,7 +490,8 @@ class PDProxy:
         """Forward ``GET /v1/models`` to a decode instance (D serves the model the client talks to)."""
         headers = {name: v for name in _FORWARDED_HEADERS if (v := request.headers.get(name)) is not None}
         deadline = time.monotonic() + self.timeout_s
-        with self.decode.lease() as url:
+        with self.decode.lease() as lease:
+            url = lease.url
             try:
                 with anyio.fail_after(self._remaining(deadline)):
                     resp = await self.client.get(url + "/v1/models", headers=headers)
@@ -396,6 +516,20 @@ class PDProxy:
             return False, f"HTTP {resp.status_code}"
         return True, None
 
+    async def _probe_loop(self) -> None:
+        """Every second, ask each skipped instance's /health whether it is back (health.py)."""
+        pools = (self.prefill, self.decode)
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            down = [(pool, inst.url) for pool in pools for inst in pool.instances if inst.health.state.value != "up"]
+            if not down:
+                continue
+            results = await asyncio.gather(*(self._probe(url) for _, url in down))
+            for (pool, url), (ok, err) in zip(down, results, strict=True):
+                pool.probed(url, ok, err)
+                if ok:
+                    logger.info("instance %s answers /health again: routed to again", url)
+
     async def health(self, probe: bool) -> JSONResponse:
         """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
         backend's own /health.
@@ -410,6 +544,13 @@ class PDProxy:
             "prefill": prefill,
             "decode": decode,
             "prefill_retries": self.prefill_retries,
+            "routing": {
+                "policy": self.prefill.policy.value,
+                "prefix_weight": self.prefill.prefix_weight,
+                "kv_events": self.hasher is not None,
+                "index_blocks": sum(len(i.cache) for pool in (self.prefill, self.decode) for i in pool.instances),
+                "tokenize_failures": self.tokenize_failures,
+            },
         }
         if probe:
             entries = [*prefill, *decode]
@@ -433,6 +574,14 @@ def create_app(
     health_probe_timeout_s: float = DEFAULT_HEALTH_PROBE_TIMEOUT_S,
     probe_backends_on_health: bool = False,
     max_connections: int | None = None,
+    routing: Policy = Policy.PREFIX_AWARE,
+    prefix_weight: float = 1.0,
+    prefill_events: Sequence[tuple[str, str | None] | None] | None = None,
+    decode_events: Sequence[tuple[str, str | None] | None] | None = None,
+    hash_algo: str = DEFAULT_ALGORITHM,
+    hash_seed: str | None = None,
+    index_max_blocks: int = DEFAULT_MAX_BLOCKS,
+    tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
 ) -> FastAPI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -440,21 +589,55 @@ def create_app(
     two stream chunks; ``connect_timeout_s`` bounds each TCP connect. ``GET /health?probe=true`` (or every
     /health if ``probe_backends_on_health``) also checks the backends. ``max_connections=None`` means no cap
     on pooled upstream connections (each streaming request holds one for its whole duration).
+
+    ``routing`` chooses the policy (routing.py). ``prefill_events`` / ``decode_events`` give, per instance in
+    order, its KV-event publisher and replay endpoints (``None``: that instance publishes none); with any of
+    them and ``prefix-aware`` routing the proxy keeps a cache index and hashes prompts with ``hash_algo`` and
+    ``hash_seed`` (the engines' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``; raises
+    :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
     The :class:`PDProxy` is available as ``app.state.proxy``.
     """
+    if not 0 <= prefix_weight <= 100:
+        raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
+    if tokenize_timeout_s <= 0:
+        raise ValueError("tokenize_timeout_s must be positive")
+    with_events = routing is Policy.PREFIX_AWARE and any(e for e in (*(prefill_events or ()), *(decode_events or ())))
+    hasher = make_hasher(hash_algo, hash_seed) if with_events else None
+
+    def pool(urls: Sequence[str], events: Sequence[tuple[str, str | None] | None] | None) -> InstancePool:
+        return InstancePool(
+            [normalize_url(u) for u in urls],
+            policy=routing,
+            prefix_weight=prefix_weight,
+            events=events if with_events else None,
+            max_blocks=index_max_blocks,
+        )
+
     proxy = PDProxy(
-        prefill_urls,
-        decode_urls,
+        pool(prefill_urls, prefill_events),
+        pool(decode_urls, decode_events),
         timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s,
         health_probe_timeout_s=health_probe_timeout_s,
         max_connections=max_connections,
+        hasher=hasher,
+        tokenize_timeout_s=tokenize_timeout_s,
     )
+    if routing is Policy.PREFIX_AWARE and hasher is None:
+        logger.info(
+            "prefix-aware routing without KV events (--prefill-kv-events / --decode-kv-events): routed by load only"
+        )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await proxy.start()
-        logger.info("P/D proxy: prefill %s, decode %s", list(proxy.prefill.urls), list(proxy.decode.urls))
+        logger.info(
+            "P/D proxy: prefill %s, decode %s, routing %s%s",
+            list(proxy.prefill.urls),
+            list(proxy.decode.urls),
+            routing.value,
+            "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
+        )
         try:
             yield
         finally:

@@ -1,0 +1,197 @@
+"""vLLM's KV-cache events as the proxy reads them: typed, bounded decoding of one published message. No I/O.
+
+An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`` publishes
+one ZMQ multipart message per scheduler step that changed its prefix cache: ``(topic, seq, payload)``, where
+``seq`` is an 8-byte big-endian counter starting at 0 in each engine process and ``payload`` is a msgpack
+``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]``, each event a map tagged by ``"type"``:
+``BlockStored`` (full blocks now in the prefix cache: their hashes, the parent's, their tokens), ``BlockRemoved``
+(blocks evicted) or ``AllBlocksCleared`` (``reset_prefix_cache``). Its replay socket answers a start ``seq`` with
+the buffered messages from there on and an end marker whose seq is -1 (``vllm/distributed/kv_events.py``).
+
+The proxy turns block hashes into 64-bit keys the way vLLM does under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+(the hash's last 8 bytes, big-endian), so events with byte or int hashes index alike.
+
+Everything here is hostile-input safe: a frame larger than :data:`MAX_PAYLOAD_BYTES`, more than
+:data:`MAX_EVENTS` events, more than :data:`MAX_HASHES` hashes in one event, a wrong shape or type all give one
+:class:`BadEvents` with a short reason; event types this version does not know are skipped and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+MAX_EVENTS = 65_536
+MAX_HASHES = 65_536
+MAX_TOKENS = MAX_HASHES * 1024
+#: The seq of the replay socket's end-of-replay marker.
+END_OF_REPLAY = -1
+_KEY_MASK = (1 << 64) - 1
+
+BlockKey = int
+
+
+class BadEvents(ValueError):
+    """A message that is not a well-formed, bounded KV event batch."""
+
+
+def block_key(block_hash: bytes | int) -> BlockKey:
+    """vLLM's external 64-bit form of a block hash (its ``maybe_convert_block_hash``): the same for both forms."""
+    if isinstance(block_hash, int):
+        return block_hash & _KEY_MASK
+    return int.from_bytes(block_hash, "big") & _KEY_MASK
+
+
+class _Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[object] | None = None
+    group_idx: int | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_Batch)
+_event_decoder = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
+_type_only = msgspec.msgpack.Decoder(dict[str, object])
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    """Full blocks now in the engine's prefix cache, in prompt order."""
+
+    keys: tuple[BlockKey, ...]
+    parent: BlockKey | None
+    #: For checking the proxy's own hashes against the engine's (see :mod:`block_hashes`).
+    raw_first_hash: bytes | int
+    raw_parent: bytes | int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    #: True when the hashes depend on more than the tokens (LoRA, multimodal input, a cache salt).
+    has_extra_keys: bool
+    #: GPU (the device cache the proxy routes by) unless an offloading tier says otherwise.
+    medium: str | None
+    group_idx: int | None
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    keys: tuple[BlockKey, ...]
+    medium: str | None
+    group_idx: int | None
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    pass
+
+
+Event = BlocksStored | BlocksRemoved | AllCleared
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """One published message: its sequence number and the events of one engine step."""
+
+    seq: int
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None
+    #: Events of types this decoder does not know (skipped).
+    unknown: int = 0
+
+
+def decode_seq(seq_bytes: bytes) -> int:
+    """The 8-byte big-endian sequence number; the replay end marker is -1."""
+    if len(seq_bytes) != 8:
+        raise BadEvents(f"sequence number of {len(seq_bytes)} bytes (want 8)")
+    return int.from_bytes(seq_bytes, "big", signed=True)
+
+
+def decode_message(frames: list[bytes]) -> EventBatch:
+    """``(topic, seq, payload)`` as published (or as replayed) -> :class:`EventBatch`."""
+    if len(frames) != 3:
+        raise BadEvents(f"{len(frames)} frames (want topic, seq, payload)")
+    return decode_batch(decode_seq(frames[1]), frames[2])
+
+
+def decode_batch(seq: int, payload: bytes) -> EventBatch:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise BadEvents(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        batch = _batch_decoder.decode(payload)
+    except msgspec.MsgspecError as exc:
+        raise BadEvents(f"not a KV event batch: {exc}") from None
+    if len(batch.events) > MAX_EVENTS:
+        raise BadEvents(f"{len(batch.events)} events in one batch exceeds {MAX_EVENTS}")
+    events: list[Event] = []
+    unknown = 0
+    for raw in batch.events:
+        try:
+            event = _event_decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            if _is_unknown_type(raw):
+                unknown += 1
+                continue
+            raise BadEvents(f"malformed event: {exc}") from None
+        except msgspec.MsgspecError as exc:
+            raise BadEvents(f"malformed event: {exc}") from None
+        events.append(_convert(event))
+    return EventBatch(seq, batch.ts, tuple(events), batch.data_parallel_rank, unknown)
+
+
+def _is_unknown_type(raw: msgspec.Raw) -> bool:
+    try:
+        kind = _type_only.decode(raw).get("type")
+    except msgspec.MsgspecError:
+        return False
+    return isinstance(kind, str) and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _convert(event: _Stored | _Removed | _Cleared) -> Event:
+    if isinstance(event, _Cleared):
+        return AllCleared()
+    if len(event.block_hashes) > MAX_HASHES:
+        raise BadEvents(f"{len(event.block_hashes)} block hashes in one event exceeds {MAX_HASHES}")
+    keys = tuple(block_key(h) for h in event.block_hashes)
+    if isinstance(event, _Removed):
+        return BlocksRemoved(keys, event.medium, event.group_idx)
+    if not keys:
+        raise BadEvents("BlockStored without block hashes")
+    if not 0 < event.block_size <= 1_048_576:
+        raise BadEvents(f"block_size {event.block_size} out of range")
+    if len(event.token_ids) > MAX_TOKENS:
+        raise BadEvents(f"{len(event.token_ids)} token ids in one event exceeds {MAX_TOKENS}")
+    extra = bool(event.lora_name or event.lora_id or (event.extra_keys and any(k for k in event.extra_keys)))
+    return BlocksStored(
+        keys=keys,
+        parent=None if event.parent_block_hash is None else block_key(event.parent_block_hash),
+        raw_first_hash=event.block_hashes[0],
+        raw_parent=event.parent_block_hash,
+        token_ids=tuple(event.token_ids),
+        block_size=event.block_size,
+        has_extra_keys=extra,
+        medium=event.medium,
+        group_idx=event.group_idx,
+    )

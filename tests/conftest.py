@@ -33,6 +33,7 @@ NEEDS_VLLM_OR_MOONCAKE = {
     "test_ascend_hook",  # wraps vLLM's model-runner method
     "test_check_cli",  # the check reads vLLM's node address
     "test_config",  # host detection through vLLM
+    "test_kv_events_vllm",  # vLLM's KV-event structs, block hashing and ZMQ publisher
     "test_metrics",  # vLLM's connector-stats classes
     "test_plugin",  # registers with vLLM's connector factory
     "test_worker_polling",  # wraps vLLM's shared-memory reader

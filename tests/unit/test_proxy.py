@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, InstancePool, PDProxy, create_app
-from vllm_kvp2p.proxy.instances import Lease
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
+from vllm_kvp2p.proxy.instances import Lease
 
 # Generous per-test caps: the bounds that matter are asserted inside the tests; these only stop a hang.
 pytestmark = pytest.mark.timeout(30)

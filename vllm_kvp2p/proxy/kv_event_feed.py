@@ -2,11 +2,12 @@
 
 It subscribes to the engine's publisher, decodes each message (:mod:`kv_events`), hands it to the instance's
 :class:`~vllm_kvp2p.proxy.cache_index.InstanceCache` and carries out the verdict: on a gap it asks the engine's
-replay socket (a DEALER speaking to vLLM's ROUTER: ``["", start_seq]`` in, ``["", topic, seq, payload]`` out until
-the ``seq == -1`` marker), bounded in time and count; without a replay endpoint, or when the replay fails, the
-index restarts from the live stream. Every stored event is also a chance to check the proxy's block hashes
-against the engine's (:meth:`InstancePool.check_hashes`). Garbage is counted and logged, never raised: a broken or
-hostile publisher costs routing quality only, and ZMQ reconnects by itself when a publisher restarts.
+replay socket (a DEALER speaking to vLLM's ROUTER: ``["", start_seq]`` in; ``["", topic, seq, payload]`` out, or
+``["", seq, payload]`` from vLLM 0.23, until the ``seq == -1`` marker), bounded in time and count. Without a
+replay endpoint, or when the replay fails, the index restarts from the live stream. Every stored event is also a
+chance to check the proxy's block hashes against the engine's (:meth:`InstancePool.check_hashes`). Garbage is
+counted and logged, never raised: a broken or hostile publisher costs routing quality only, and ZMQ reconnects by
+itself when a publisher restarts.
 """
 
 from __future__ import annotations
@@ -112,11 +113,13 @@ class KVEventFeed:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
                 while len(out) < MAX_REPLAY_MESSAGES:
                     frames = await sock.recv_multipart()
-                    if len(frames) != 4 or frames[0] != b"":
+                    # ["", topic, seq, payload] (vLLM 0.32) or ["", seq, payload] (vLLM 0.23).
+                    if len(frames) not in (3, 4) or frames[0] != b"":
                         raise BadEvents(f"replay answer of {len(frames)} frames")
-                    if decode_seq(frames[2]) == END_OF_REPLAY:
+                    message = frames[1:] if len(frames) == 4 else [b"", *frames[1:]]
+                    if decode_seq(message[1]) == END_OF_REPLAY:
                         return out
-                    out.append(decode_message(frames[1:]))
+                    out.append(decode_message(message))
             raise BadEvents(f"replay longer than {MAX_REPLAY_MESSAGES} messages")
         except (TimeoutError, BadEvents, zmq.ZMQError) as exc:
             logger.warning("KV events of %s: replay from seq %d failed (%s): the index restarts from the live "

@@ -3,10 +3,11 @@
 An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`` publishes
 one ZMQ multipart message per scheduler step that changed its prefix cache: ``(topic, seq, payload)``, where
 ``seq`` is an 8-byte big-endian counter starting at 0 in each engine process and ``payload`` is a msgpack
-``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]``, each event a map tagged by ``"type"``:
-``BlockStored`` (full blocks now in the prefix cache: their hashes, the parent's, their tokens), ``BlockRemoved``
-(blocks evicted) or ``AllBlocksCleared`` (``reset_prefix_cache``). Its replay socket answers a start ``seq`` with
-the buffered messages from there on and an end marker whose seq is -1 (``vllm/distributed/kv_events.py``).
+``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]``. Each event is a map tagged by ``"type"`` (vLLM 0.32)
+or an array ``["BlockStored", field, ...]`` (vLLM 0.23): ``BlockStored`` (full blocks now in the prefix cache:
+their hashes, the parent's, their tokens), ``BlockRemoved`` (blocks evicted) or ``AllBlocksCleared``
+(``reset_prefix_cache``). Its replay socket answers a start ``seq`` with the buffered messages from there on and
+an end marker whose seq is -1 (``vllm/distributed/kv_events.py``).
 
 The proxy turns block hashes into 64-bit keys the way vLLM does under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
 (the hash's last 8 bytes, big-endian), so events with byte or int hashes index alike.
@@ -66,6 +67,20 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
     pass
 
 
+# vLLM 0.23 lays events out as arrays, ``["BlockStored", hashes, ...]``, in the
+# field order above; vLLM 0.32 as maps with a "type" key. Trailing fields a release adds are ignored.
+class _StoredArray(_Stored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _RemovedArray(_Removed, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ClearedArray(_Cleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
 class _Batch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
@@ -73,8 +88,9 @@ class _Batch(msgspec.Struct, array_like=True):
 
 
 _batch_decoder = msgspec.msgpack.Decoder(_Batch)
-_event_decoder = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
-_type_only = msgspec.msgpack.Decoder(dict[str, object])
+_map_event_decoder = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
+_array_event_decoder = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
+_any = msgspec.msgpack.Decoder()
 
 
 @dataclass(frozen=True)
@@ -148,8 +164,9 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
     events: list[Event] = []
     unknown = 0
     for raw in batch.events:
+        decoder = _array_event_decoder if _is_array(raw) else _map_event_decoder
         try:
-            event = _event_decoder.decode(raw)
+            event = decoder.decode(raw)
         except msgspec.ValidationError as exc:
             if _is_unknown_type(raw):
                 unknown += 1
@@ -161,15 +178,27 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
     return EventBatch(seq, batch.ts, tuple(events), batch.data_parallel_rank, unknown)
 
 
+def _is_array(raw: msgspec.Raw) -> bool:
+    """msgpack fixarray (0x90..0x9f), array16 (0xdc) or array32 (0xdd)."""
+    first = memoryview(raw)[:1].tobytes()
+    return bool(first) and (0x90 <= first[0] <= 0x9F or first[0] in (0xDC, 0xDD))
+
+
 def _is_unknown_type(raw: msgspec.Raw) -> bool:
     try:
-        kind = _type_only.decode(raw).get("type")
+        value = _any.decode(raw)
     except msgspec.MsgspecError:
+        return False
+    if isinstance(value, dict):
+        kind = value.get("type")
+    elif isinstance(value, list) and value:
+        kind = value[0]
+    else:
         return False
     return isinstance(kind, str) and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
-def _convert(event: _Stored | _Removed | _Cleared) -> Event:
+def _convert(event: _Stored | _Removed | _Cleared) -> Event:  # the array variants are subclasses
     if isinstance(event, _Cleared):
         return AllCleared()
     if len(event.block_hashes) > MAX_HASHES:

@@ -10,7 +10,8 @@ Two policies (``--routing``):
   second instance once the first has that much queued. On P a hit is prefill not computed; on D it is blocks not
   pulled. ``prefix_weight`` 0 makes it least-pending-tokens.
 
-Ties go round-robin from ``cursor``. Skipped instances (see :mod:`health`) are left out; when every instance of the
+Equal costs go to the instance with fewer requests in flight (requests of unknown tokens add no pending tokens),
+then round-robin from ``cursor``. Skipped instances (see :mod:`health`) are left out; when every instance of the
 role is skipped the one whose back-off ends first is tried rather than failing the request, so stale health, like
 a stale or empty cache index, costs speed, never an answer. When the prompt's tokens are unknown (its tokenization
 failed or was not attempted) ``prefix-aware`` falls back to ``least-outstanding`` for that request.
@@ -65,9 +66,9 @@ def choose(
         soonest = min(candidates[i].retry_at for i in allowed)
         return _round_robin([i for i in allowed if candidates[i].retry_at == soonest], cursor, n)
     if policy is Policy.PREFIX_AWARE and prompt_tokens is not None:
-        scores = {i: cost(candidates[i], prompt_tokens, prefix_weight) for i in usable}
+        scores = {i: (cost(candidates[i], prompt_tokens, prefix_weight), candidates[i].outstanding) for i in usable}
     else:
-        scores = {i: float(candidates[i].outstanding) for i in usable}
+        scores = {i: (float(candidates[i].outstanding), 0) for i in usable}
     best = min(scores.values())
     return _round_robin([i for i in usable if scores[i] == best], cursor, n)
 

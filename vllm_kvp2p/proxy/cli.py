@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 
-from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, create_app
+from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, DEFAULT_TOKENIZE_TIMEOUT_S, create_app
+from vllm_kvp2p.proxy.block_hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashSettingsError
+from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.routing import Policy
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -97,8 +101,84 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM, wait at most this long for open streams (default: %(default)s)",
     )
+    routing = p.add_argument_group("routing (docs/routing.md)")
+    routing.add_argument(
+        "--routing",
+        choices=[policy.value for policy in Policy],
+        default=Policy.PREFIX_AWARE.value,
+        help="prefix-aware: least work ahead, a cached prefix counting as work done (needs the engines' KV events "
+        "to know the caches; without them it routes by load); least-outstanding: fewest requests in flight "
+        "(default: %(default)s)",
+    )
+    routing.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="how much a cached prompt token counts against a queued one, 0..100 (default: %(default)s)",
+    )
+    for role, flag in (("prefill", "--prefill-kv-events"), ("decode", "--decode-kv-events")):
+        routing.add_argument(
+            flag,
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="ENDPOINT[,REPLAY]",
+            help=f"the KV-event publisher of each --{role} instance, in the same order (its --kv-events-config "
+            f"endpoint, e.g. tcp://10.0.0.1:5557, and optionally its replay_endpoint after a comma); 'none' for an "
+            "instance without events",
+        )
+    routing.add_argument(
+        "--hash-algo",
+        choices=ALGORITHMS,
+        default=DEFAULT_ALGORITHM,
+        help="the engines' --prefix-caching-hash-algo (default: %(default)s)",
+    )
+    routing.add_argument(
+        "--hash-seed",
+        default=os.environ.get("PYTHONHASHSEED"),
+        metavar="SEED",
+        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED; unset: vLLM 0.32's fixed seed. "
+        "vLLM 0.23 engines need PYTHONHASHSEED set for their hashes to be reproducible at all)",
+    )
+    routing.add_argument(
+        "--kv-index-max-blocks",
+        type=int,
+        default=DEFAULT_MAX_BLOCKS,
+        metavar="N",
+        help="block hashes kept per instance; past it the oldest go first (default: %(default)s)",
+    )
+    routing.add_argument(
+        "--tokenize-timeout",
+        type=float,
+        default=DEFAULT_TOKENIZE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="limit on asking a P's /tokenize for a text prompt's tokens; past it the request is routed by load "
+        "(default: %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, type=str.lower)
     return p
+
+
+def parse_events(
+    parser: argparse.ArgumentParser, flag: str, values: list[str], count: int
+) -> list[tuple[str, str | None] | None] | None:
+    """``--prefill-kv-events`` / ``--decode-kv-events`` values -> one (endpoint, replay) or None per instance."""
+    if not values:
+        return None
+    if len(values) != count:
+        parser.error(f"{flag}: {len(values)} endpoints for {count} instances (give one per instance, 'none' to skip)")
+    out: list[tuple[str, str | None] | None] = []
+    for value in values:
+        if value.lower() == "none":
+            out.append(None)
+            continue
+        endpoint, _, replay = value.partition(",")
+        for ep in (endpoint, replay):
+            if ep and not ep.startswith(("tcp://", "ipc://")):
+                parser.error(f"{flag}: {ep!r} is no ZMQ endpoint (tcp://HOST:PORT)")
+        out.append((endpoint, replay or None))
+    return out
 
 
 def _host_port_urls(
@@ -142,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.timeout <= 0 or args.connect_timeout <= 0:
         parser.error("--timeout and --connect-timeout must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tokenize_timeout <= 0:
+        parser.error("--tokenize-timeout must be positive")
     try:
         app = create_app(
             prefill,
@@ -149,8 +231,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             timeout_s=args.timeout,
             connect_timeout_s=args.connect_timeout,
             max_connections=args.max_connections,
+            routing=Policy(args.routing),
+            prefix_weight=args.prefix_weight,
+            prefill_events=parse_events(parser, "--prefill-kv-events", args.prefill_kv_events, len(prefill)),
+            decode_events=parse_events(parser, "--decode-kv-events", args.decode_kv_events, len(decode)),
+            hash_algo=args.hash_algo,
+            hash_seed=args.hash_seed,
+            index_max_blocks=args.kv_index_max_blocks,
+            tokenize_timeout_s=args.tokenize_timeout,
         )
-    except ValueError as exc:
+    except (ValueError, HashSettingsError) as exc:
         parser.error(str(exc))
 
     import uvicorn  # only needed when actually serving

@@ -34,6 +34,13 @@ def start_producer(model_path: Path, log_path: Path, env: Mapping[str, str], cpu
     return server
 
 
+def kv_events_config(endpoint_port: int, replay_port: int) -> str:
+    """``--kv-events-config`` for vLLM's ZMQ publisher: PUB on every interface (vLLM binds only a ``*`` endpoint,
+    and connects to any other), its replay ROUTER on 127.0.0.1."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{endpoint_port}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": ""})
+
+
 def kv_transfer_config(role: str, failure_policy: str = "fail", **extra: object) -> str:
     """The ``--kv-transfer-config`` value a user passes to ``vllm serve``."""
     config: dict[str, object] = {"kv_connector": "MooncakeP2PConnector", "kv_role": role,
@@ -50,7 +57,14 @@ class ProxyProcess:
     log_path: Path
 
     @classmethod
-    def start(cls, prefill: list[str], decode: list[str], log_path: Path, timeout: float = 120) -> ProxyProcess:
+    def start(
+        cls,
+        prefill: list[str],
+        decode: list[str],
+        log_path: Path,
+        timeout: float = 120,
+        extra_args: tuple[str, ...] = (),
+    ) -> ProxyProcess:
         port = free_port()
         script = shutil.which("vllm-kvp2p-proxy", path=os.path.dirname(sys.executable))
         if not script:
@@ -58,7 +72,7 @@ class ProxyProcess:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [script, "--host", "127.0.0.1", "--port", str(port), "--prefill", *prefill, "--decode", *decode,
-                 "--timeout", str(timeout)],
+                 "--timeout", str(timeout), *extra_args],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         proxy = cls(f"http://127.0.0.1:{port}", proc, log_path)

@@ -6,7 +6,8 @@ request plus those params, pulls the blocks over Mooncake, and generates the ans
 unchanged (SSE bytes as they arrive, or D's JSON with D's status).
 
 Modelled on vLLM's NIXL ``toy_proxy_server.py``, with what that one lacks for production: one shared pooled
-client, least-outstanding balancing, bounded time everywhere, upstream failures mapped to OpenAI-shaped 502/504
+client, routing by cached prefix and load from the engines' KV events (docs/routing.md) that skips an instance
+that failed and probes it back, bounded time everywhere, upstream failures mapped to OpenAI-shaped 502/504
 errors naming the instance (4xx passed through), mid-stream failures ending the SSE stream with an error event,
 and outstanding counts released on every path, client disconnects included.
 
@@ -107,7 +108,7 @@ class PrefillLost(ProxyError):
 
 
 class PDProxy:
-    """State shared by all requests: the balancers, the HTTP client and the limits."""
+    """State shared by all requests: the instance pools, the HTTP client and the limits."""
 
     def __init__(
         self,

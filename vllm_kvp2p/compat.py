@@ -229,6 +229,30 @@ def _p2p_cache_hit_source() -> Any:
 P2P_CACHE_HIT_SOURCE: Any = _p2p_cache_hit_source()
 
 
+def kv_event_hashes_problem(vllm_config: Any, environ: Any = None) -> str | None:
+    """Why the block hashes this engine publishes in its KV events no router can reproduce, or None.
+
+    vLLM seeds a prompt's first block hash with ``PYTHONHASHSEED``; unset, vLLM 0.32 uses the fixed
+    ``DEFAULT_NONE_HASH_SEED`` for sha256 / sha256_cbor and a random per-process seed for xxhash, while vLLM 0.23
+    draws a random seed for every algorithm (``init_none_hash`` in ``vllm/v1/core/kv_cache_utils.py``). None too
+    when the engine publishes no KV events."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    if events is None or not getattr(events, "enable_kv_cache_events", False):
+        return None
+    env = os.environ if environ is None else environ
+    if env.get("PYTHONHASHSEED") is not None:
+        return None
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    from vllm.v1.core import kv_cache_utils
+
+    if hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED") and not algo.startswith("xxhash"):
+        return None
+    return (f"this engine publishes KV events whose block hashes are seeded at random in every process "
+            f"(PYTHONHASHSEED unset, --prefix-caching-hash-algo {algo}, vLLM {installed_vllm_version()}): no router "
+            "can match them, so routing by cached prefix (vllm-kvp2p-proxy, vllm-router kv_aware) finds nothing. "
+            "Set PYTHONHASHSEED to one value on every engine and the router (docs/routing.md)")
+
+
 def data_parallel_index(parallel_config: Any) -> int:
     """This engine's DP rank as the operator launched it. vLLM runs the DP ranks of a dense model as independent
     engines and resets their ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``); only

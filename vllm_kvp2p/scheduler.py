@@ -146,6 +146,9 @@ class SchedulerSide:
             logger.warning("kv_transfer_params are %s: any client of D's API can name any P (set VLLM_KVP2P_SECRET "
                            "or VLLM_KVP2P_SECRET_FILE on every P and D, docs/security.md)",
                            "issued unsigned" if self.is_producer and not self.is_consumer else "not authenticated")
+        hashes_problem = compat.kv_event_hashes_problem(vllm_config)
+        if hashes_problem:
+            logger.warning("%s", hashes_problem)
         self.consumer = ConsumerSchedule(
             self.block_size, self.groups, peer_ports=config.peer_port_ranges(),
             authenticate=self._authenticate if self.auth is not None else None,

@@ -153,3 +153,29 @@ def test_feed_follows_vllms_publisher_through_a_gap_and_garbage(
         ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_engine_warns_when_its_published_hashes_are_seeded_at_random() -> None:
+    from types import SimpleNamespace
+
+    from vllm_kvp2p.compat import kv_event_hashes_problem
+
+    def config(enabled: bool, algo: str = "sha256") -> SimpleNamespace:
+        return SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=enabled),
+                               cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+
+    fixed = hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED")  # vLLM 0.32: a fixed seed for sha256
+    assert kv_event_hashes_problem(config(False), {}) is None
+    assert kv_event_hashes_problem(config(True), {"PYTHONHASHSEED": "0"}) is None
+    assert (kv_event_hashes_problem(config(True), {}) is None) is fixed
+    problem = kv_event_hashes_problem(config(True, "xxhash"), {})
+    assert problem is not None and "PYTHONHASHSEED" in problem and "xxhash" in problem
+    # The claim behind it, on this vLLM: without the variable two initialisations (two engine processes) seed the
+    # first block alike exactly when no problem is reported.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PYTHONHASHSEED", raising=False)
+        seeds = set()
+        for _ in range(2):
+            kv_cache_utils.init_none_hash(hashing.sha256)
+            seeds.add(bytes(kv_cache_utils.NONE_HASH))
+    assert (len(seeds) == 1) is fixed

@@ -109,13 +109,11 @@ class Engines:
                 raise RuntimeError(f"{s.url}/reset_prefix_cache -> {status}: {body[:200]!r}")
 
     def counters(self) -> dict[str, float]:
-        p = [s.metrics() for s in self.producers]
-        d = self.decode.metrics()
         return {
-            "hits": sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in p),
-            "queries": sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in p),
-            "pull_bytes": d.get("vllm:kvp2p_pull_bytes_sum", 0.0),
-            "d_requests": sum(v for k, v in d.items() if k.startswith("vllm:request_success_total")),
+            "hits": sum(p.metric("vllm:prefix_cache_hits_total") for p in self.producers),
+            "queries": sum(p.metric("vllm:prefix_cache_queries_total") for p in self.producers),
+            "pull_bytes": self.decode.metric("vllm:kvp2p_pull_bytes_sum"),
+            "d_requests": self.decode.metric("vllm:request_success_total"),
         }
 
 
@@ -284,9 +282,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--p-kv-mib", type=int, default=24, help="KV cache of each P (MiB)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--p-kv-mib", type=int, default=14,
+                        help="KV cache of each P (MiB); the default holds about half the prefixes, so that where a "
+                        "prompt goes decides whether its prefix is still there")
     parser.add_argument("--prefix-len", type=int, default=480)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--num-prefixes", type=int, default=12)

@@ -972,3 +972,24 @@ def test_prefill_retry_skips_failed_p_even_when_least_loaded(
     health = proxy_health(url)
     assert health["prefill_retries"] == 1
     assert [e["outstanding"] for e in health["prefill"] + health["decode"]] == [0, 0, 0]
+
+
+def test_prompts_without_tokens_are_routed_by_load_and_answered(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str]
+) -> None:
+    """Prefix-aware routing with KV events configured: a text prompt whose /tokenize fails (these stubs have none)
+    is still answered, routed by load, and counted; a token-id prompt needs no /tokenize at all."""
+    nowhere = [("tcp://127.0.0.1:9", None)]  # ZMQ connects lazily: nothing listens, nothing arrives
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere)
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200 and r.headers["x-kvp2p-prefill-cached-tokens"] == "0"
+    routing = proxy_health(url)["routing"]
+    assert routing["kv_events"] is True and routing["tokenize_failures"] == 1
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": list(range(70))}, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200
+    health = proxy_health(url)
+    assert health["routing"]["tokenize_failures"] == 1
+    assert health["prefill"][0]["pending_tokens"] == 0 and health["prefill"][0]["cache"]["hashes_match"] is None
+    # Settings that could never match the engines' hashes refuse to build the proxy.
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        create_app([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, hash_algo="xxhash")

@@ -378,7 +378,8 @@ class PDProxy:
             tok_body = {k: body[k] for k in _TOKENIZE_COMPLETION_FIELDS if k in body}
         if any(body.get(k) for k in _PER_REQUEST_HASH_KEYS):
             return None  # hashed with extra keys the proxy does not reproduce
-        url = min(self.prefill.instances, key=lambda inst: inst.outstanding).url
+        # The least busy P that is up (a skipped one would only cost the timeout).
+        url = min(self.prefill.instances, key=lambda i: (i.health.state.value != "up", i.outstanding)).url
         try:
             with anyio.fail_after(min(self.tokenize_timeout_s, self._remaining(deadline))):
                 resp = await self.client.post(url + "/tokenize", json=tok_body, headers=headers)

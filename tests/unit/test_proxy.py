@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, InstancePool, PDProxy, create_app
-from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
+from vllm_kvp2p.proxy.cli import build_parser, parse_events, resolve_instances
 from vllm_kvp2p.proxy.instances import Lease
 
 # Generous per-test caps: the bounds that matter are asserted inside the tests; these only stop a hang.
@@ -481,6 +481,25 @@ def test_cli_parsing() -> None:
     ):
         with pytest.raises(SystemExit):
             resolve_instances(parser.parse_args(bad), parser)
+
+
+def test_cli_routing_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--prefill", "p:1", "p:2", "--decode", "d:1",
+                              "--prefill-kv-events", "tcp://p:5557,tcp://p:5558", "none",
+                              "--decode-kv-events", "tcp://d:5557", "--hash-seed", "0"])
+    assert args.routing == "prefix-aware" and args.hash_algo == "sha256" and args.hash_seed == "0"
+    assert parse_events(parser, "--prefill-kv-events", args.prefill_kv_events, 2) == [
+        ("tcp://p:5557", "tcp://p:5558"), None]
+    assert parse_events(parser, "--decode-kv-events", args.decode_kv_events, 1) == [("tcp://d:5557", None)]
+    assert parse_events(parser, "--decode-kv-events", [], 1) is None
+    for values, count, needle in ((["tcp://p:1"], 2, "1 endpoints for 2 instances"),
+                                  (["http://p:1"], 1, "no ZMQ endpoint")):
+        with pytest.raises(SystemExit):
+            parse_events(parser, "--prefill-kv-events", values, count)
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill", "p:1", "--decode", "d:1", "--routing", "random"])
 
 
 # --------------------------------------------------------------------------------------------------------------

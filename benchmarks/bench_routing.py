@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
@@ -40,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +51,7 @@ from vllm_kvp2p.testing.server import VllmServer, free_port
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import SERVE_BENCH, _bin  # noqa: E402  (vLLM's serving benchmark, as bench_serving runs it)
+from bench_serving import SERVE_BENCH, Router, _bin  # noqa: E402  (shared with bench_serving)
 
 FRONTS = ("proxy-lo", "proxy-prefix", "router-rr", "router-cache", "router-kv")
 WORKLOADS = ("prefix", "multiturn", "random")
@@ -117,44 +115,6 @@ class Engines:
         }
 
 
-class Router:
-    """vllm-router in vLLM P/D mode in front of both P and the D."""
-
-    def __init__(self, policy: str, engines: Engines, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [_bin("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--vllm-pd-disaggregation", "--policy", policy, "--prometheus-port", str(free_port())]
-        for p in engines.producers:
-            cmd += ["--prefill", p.url]
-        cmd += ["--decode", engines.decode.url]
-        if policy == "kv_aware":
-            for p in engines.producers:
-                cmd += ["--pd-kv-events", f"{p.url}={engines.endpoint(p, replay=False)}"]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited: {log.read_text()[-1500:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("vllm-router did not become healthy in 60 s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
 @contextmanager
 def front(name: str, engines: Engines, logs: Path) -> Iterator[str]:
     urls = [p.url for p in engines.producers]
@@ -168,7 +128,11 @@ def front(name: str, engines: Engines, logs: Path) -> Iterator[str]:
         url, stop = proxy.url, proxy.stop
     else:
         policy = {"router-rr": "round_robin", "router-cache": "cache_aware", "router-kv": "kv_aware"}[name]
-        router = Router(policy, engines, logs / f"{name}.log")
+        extra = ("--policy", policy)
+        if policy == "kv_aware":
+            for p in engines.producers:
+                extra += ("--pd-kv-events", f"{p.url}={engines.endpoint(p, replay=False)}")
+        router = Router(urls, engines.decode.url, logs / f"{name}.log", extra)
         url, stop = router.url, router.stop
     try:
         yield url

@@ -72,18 +72,18 @@ def skip_reason(setup: str) -> str:
 
 
 class Router:
-    """``vllm-router`` in vLLM P/D mode in front of one P and one D."""
+    """``vllm-router`` in vLLM P/D mode in front of the given P and D (``extra_args``: a policy, KV events...)."""
 
-    def __init__(self, prefill: str, decode: str, log: Path) -> None:
+    def __init__(self, prefill: str | list[str], decode: str, log: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [_bin("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--vllm-pd-disaggregation", "--prometheus-port", str(free_port())]
+        for url in [prefill] if isinstance(prefill, str) else prefill:
+            cmd += ["--prefill", url]
+        cmd += ["--decode", decode, *extra_args]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [_bin("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                 "--prometheus-port", str(free_port())],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

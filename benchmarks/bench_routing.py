@@ -242,6 +242,15 @@ def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.
             "pulled_kib_per_request": round(delta["pull_bytes"] / max(1.0, delta["d_requests"]) / 1024, 1)}
 
 
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats of one front and workload (each run's p50 and p99, hit rate, bytes)."""
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows if r[k] is not None), 3)
+                           for k in rows[0] if isinstance(rows[0][k], (int, float))}
+    out["runs"] = len(rows)
+    out["ttft_p50_ms_all"] = [r["ttft_p50_ms"] for r in rows]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
@@ -263,6 +272,7 @@ def main() -> None:
     parser.add_argument("--user-len", type=int, default=64)
     parser.add_argument("--think-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every front and workload (medians reported)")
     parser.add_argument("--run-timeout", type=float, default=900)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None)
@@ -274,28 +284,35 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"[routing] logs in {logs}", file=sys.stderr)
     fronts = [f for f in args.fronts if f.startswith("proxy-") or _bin("vllm-router")]
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    errors: dict[str, dict[str, str]] = {}
     with Engines(model, logs, args.p_kv_mib) as engines:
-        for workload in args.workloads:
-            for name in fronts:
-                try:
-                    row = run(name, workload, engines, model, args, logs)
-                except (RuntimeError, subprocess.TimeoutExpired, httpx.HTTPError) as exc:
-                    row = {"error": str(exc)[-600:]}
-                results.setdefault(workload, {})[name] = row
-                print(f"[routing] {workload} {name}: {row}", file=sys.stderr, flush=True)
-    lines = ["| workload | front | TTFT p50 ms | TTFT p99 ms | P hit rate | best | KiB pulled / request |",
-             "|---|---|---|---|---|---|---|"]
+        # Fronts interleaved within each repeat, so that a slow spell of the machine does not land on one front.
+        for rep in range(args.repeats):
+            for workload in args.workloads:
+                for name in fronts:
+                    try:
+                        row = run(name, workload, engines, model, args, logs)
+                    except (RuntimeError, subprocess.TimeoutExpired, httpx.HTTPError) as exc:
+                        errors.setdefault(workload, {})[name] = str(exc)[-600:]
+                        print(f"[routing] {workload} {name} rep {rep}: {exc}", file=sys.stderr, flush=True)
+                        continue
+                    runs.setdefault(workload, {}).setdefault(name, []).append(row)
+                    print(f"[routing] {workload} {name} rep {rep}: {row}", file=sys.stderr, flush=True)
+    results = {w: {n: _median(rows) for n, rows in by_front.items()} for w, by_front in runs.items()}
+    lines = ["| workload | front | TTFT p50 ms | TTFT p99 ms | P hit rate | best | KiB pulled / request | runs |",
+             "|---|---|---|---|---|---|---|---|"]
     for workload, rows in results.items():
         for name, r in rows.items():
-            if "error" in r:
-                lines.append(f"| {workload} | {name} | error: {r['error'][:80]} | | | | |")
-            else:
-                lines.append(f"| {workload} | {name} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['p_hit_rate']} | "
-                             f"{r['best_hit_rate']} | {r['pulled_kib_per_request']} |")
+            lines.append(f"| {workload} | {name} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['p_hit_rate']} | "
+                         f"{r['best_hit_rate']} | {r['pulled_kib_per_request']} | {r['runs']} |")
+    for workload, by_front in errors.items():
+        for name, err in by_front.items():
+            lines.append(f"| {workload} | {name} | error: {err[:80]} | | | | | |")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results, "runs": runs,
+                                               "errors": errors}, indent=1))
 
 
 if __name__ == "__main__":

@@ -287,10 +287,11 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     errors: dict[str, dict[str, str]] = {}
     with Engines(model, logs, args.p_kv_mib) as engines:
-        # Fronts interleaved within each repeat, so that a slow spell of the machine does not land on one front.
+        # Fronts interleaved within each repeat, in reverse order every other repeat, so that a slow spell of the
+        # machine (or a trend over the run) does not land on one front.
         for rep in range(args.repeats):
             for workload in args.workloads:
-                for name in fronts:
+                for name in fronts if rep % 2 == 0 else fronts[::-1]:
                     try:
                         row = run(name, workload, engines, model, args, logs)
                     except (RuntimeError, subprocess.TimeoutExpired, httpx.HTTPError) as exc:

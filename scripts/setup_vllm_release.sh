@@ -95,6 +95,8 @@ EOF
   "$VENV/bin/python" -c "import vllm, torch, mooncake.engine; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
   echo "$base_want" > "$VENV/.base-stamp"
 fi
+# Test tools added after a venv was made: installed into it when missing (tests/e2e_routing drives vllm-router).
+[ -x "$VENV/bin/vllm-router" ] || "$VENV/bin/python" -m pip --disable-pip-version-check -q install "vllm-router==0.1.17" >&2
 
 # This package, from a copy of the tree (see above); rebuilt when its sources change.
 want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup_vllm_release.sh | sha256sum | cut -d' ' -f1)

@@ -61,7 +61,11 @@ class KVEventFeed:
         try:
             while True:
                 frames = await sub.recv_multipart()
-                await self._on_message(frames)
+                try:
+                    await self._on_message(frames)
+                except Exception:  # noqa: BLE001 - a bug here must cost this instance's index, not the feed
+                    logger.exception("KV events of %s: message dropped, index restarted", self._inst.url)
+                    self._inst.cache.reset()
         finally:
             sub.close(linger=0)
 

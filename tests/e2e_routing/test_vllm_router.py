@@ -5,6 +5,7 @@ vLLM CPU's block size.
 Its ``kv_aware`` hashes the ``token_ids`` of the events itself, in 16-token chunks, and in P/D mode takes only
 16-token blocks (``--pd-kv-events``: "Block size is 16"); vLLM's CPU attention needs a multiple of 32 (and
 vllm-ascend runs 128), so every batch is rejected (``BlockSizeMismatch`` at debug level) and it routes by load.
+vLLM 0.23's events (arrays, not tagged maps) it does not decode at all.
 docs/routing.md says so; this test keeps that statement true for the pinned release.
 """
 
@@ -82,7 +83,9 @@ def test_kv_aware_router_drives_this_connector_but_rejects_its_block_size(
         assert max_logprob_gap(body, baseline(c, prompt)) <= LOGPROB_TOL
         report = body["kv_transfer_params"][PULL_REPORT_KEY]
         assert report["ok"] and report["blocks"] > 0, report  # D pulled from whichever P the router chose
+    # Every event batch dropped: vLLM 0.32's for their block size, vLLM 0.23's (events as arrays) undecoded.
+    rejections = ("reason=BlockSizeMismatch", "KV event must be a tagged map")
     deadline = time.monotonic() + 10
-    while "BlockSizeMismatch" not in log.read_text(errors="replace"):
+    while not any(r in log.read_text(errors="replace") for r in rejections):
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
         time.sleep(0.2)

@@ -76,17 +76,20 @@ class ProxyProcess:
                 stdout=log, stderr=subprocess.STDOUT,
             )
         proxy = cls(f"http://127.0.0.1:{port}", proc, log_path)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(proxy.url + "/health", timeout=2):
-                    return proxy
-            except OSError:
-                time.sleep(0.2)
-        proxy.stop()
-        raise RuntimeError("proxy did not become healthy in 30 s")
+        try:  # whatever ends the wait (a signal included), a proxy that is not returned is stopped
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"proxy exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(proxy.url + "/health", timeout=2):
+                        return proxy
+                except OSError:
+                    time.sleep(0.2)
+            raise RuntimeError("proxy did not become healthy in 30 s")
+        except BaseException:
+            proxy.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:

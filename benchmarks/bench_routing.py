@@ -216,8 +216,9 @@ def best_hit_rate(args: argparse.Namespace, workload: str) -> float | None:
 
 
 def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.Namespace, logs: Path) -> dict:
+    # vLLM publishes the reset's AllBlocksCleared with its next step that has requests: the proxy's index empties
+    # at this run's first request, so that request alone may be routed by the previous run's blocks.
     engines.reset_caches()
-    time.sleep(1.0)  # the cleared events reach the index before the first request
     before = engines.counters()
     with front(name, engines, logs) as url:
         time.sleep(1.0)  # subscriptions settle

@@ -6,8 +6,10 @@ read the engines' KV events).
 
 from __future__ import annotations
 
-from vllm_kvp2p.proxy.app import PREFILL_KV_TRANSFER_PARAMS, PDProxy, create_app, normalize_url
+from vllm_kvp2p.proxy.app import PREFILL_KV_TRANSFER_PARAMS, PDProxy
 from vllm_kvp2p.proxy.instances import InstancePool
+from vllm_kvp2p.proxy.server import create_app
+from vllm_kvp2p.proxy.upstream import normalize_url
 
 __all__ = [
     "PREFILL_KV_TRANSFER_PARAMS",

@@ -27,19 +27,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, PromptHasher, make_hasher
-from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.block_hashes import PromptHasher
+from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
-from vllm_kvp2p.proxy.routing import Policy
+from vllm_kvp2p.proxy.prompt_tokens import fetch_tokens, tokenize_request
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
     PassThrough,
@@ -48,7 +47,6 @@ from vllm_kvp2p.proxy.upstream import (
     check_status,
     describe,
     error_body,
-    normalize_url,
     passthrough_response,
     upstream_failure,
 )
@@ -67,15 +65,6 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 
 # Fields that make no sense (or break) a 1-token, non-streaming prefill request.
 _DROP_FOR_PREFILL: tuple[str, ...] = ("stream_options", "min_tokens", "min_completion_tokens")
-# What vLLM's /tokenize takes of a completion or chat request (vLLM's TokenizeCompletionRequest and
-# TokenizeChatRequest): the same tokens the engines will hash.
-_TOKENIZE_COMPLETION_FIELDS: tuple[str, ...] = ("model", "prompt", "add_special_tokens")
-_TOKENIZE_CHAT_FIELDS: tuple[str, ...] = (
-    "model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-    "chat_template_kwargs", "mm_processor_kwargs", "tools",
-)
-# Request fields that make vLLM hash blocks with extra keys (per-request cache isolation, adapters).
-_PER_REQUEST_HASH_KEYS: tuple[str, ...] = ("cache_salt", "lora_request")
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
 _FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
@@ -365,30 +354,14 @@ class PDProxy:
         """
         if self.hasher is None:
             return None
-        if path.endswith("chat/completions"):
-            tok_body = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
-            if not isinstance(body.get("messages"), list):
-                return None
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                return PromptBlocks(prompt, self.hasher)
-            if not isinstance(prompt, str):
-                return None  # several prompts, or none: vLLM answers that itself
-            tok_body = {k: body[k] for k in _TOKENIZE_COMPLETION_FIELDS if k in body}
-        if any(body.get(k) for k in _PER_REQUEST_HASH_KEYS):
-            return None  # hashed with extra keys the proxy does not reproduce
+        request = tokenize_request(path, body)
+        if request is None or isinstance(request, list):
+            return None if request is None else PromptBlocks(request, self.hasher)
         # The least busy P that is up (a skipped one would only cost the timeout).
-        url = min(self.prefill.instances, key=lambda i: (i.health.state.value != "up", i.outstanding)).url
-        try:
-            with anyio.fail_after(min(self.tokenize_timeout_s, self._remaining(deadline))):
-                resp = await self.client.post(url + "/tokenize", json=tok_body, headers=headers)
-            tokens = resp.json().get("tokens") if resp.status_code == 200 else None
-        except (TimeoutError, httpx.HTTPError, ValueError, AttributeError) as exc:
-            tokens, why = None, describe(exc)
-        else:
-            why = f"HTTP {resp.status_code}" if resp.status_code != 200 else "no token list"
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        url = min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
+        timeout = min(self.tokenize_timeout_s, self._remaining(deadline))
+        tokens, why = await fetch_tokens(self.client, url, request, headers, timeout)
+        if tokens is None:
             self.tokenize_failures += 1
             logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, url, why)
             return None
@@ -523,7 +496,7 @@ class PDProxy:
         pools = (self.prefill, self.decode)
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            down = [(pool, inst.url) for pool in pools for inst in pool.instances if inst.health.state.value != "up"]
+            down = [(pool, inst.url) for pool in pools for inst in pool.instances if inst.health.state is not Health.UP]
             if not down:
                 continue
             results = await asyncio.gather(*(self._probe(url) for _, url in down))
@@ -565,103 +538,3 @@ class PDProxy:
                 body["status"] = "unhealthy"
                 status_code = 503
         return JSONResponse(body, status_code)
-
-
-def create_app(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-    health_probe_timeout_s: float = DEFAULT_HEALTH_PROBE_TIMEOUT_S,
-    probe_backends_on_health: bool = False,
-    max_connections: int | None = None,
-    routing: Policy = Policy.PREFIX_AWARE,
-    prefix_weight: float = 1.0,
-    prefill_events: Sequence[tuple[str, str | None] | None] | None = None,
-    decode_events: Sequence[tuple[str, str | None] | None] | None = None,
-    hash_algo: str = DEFAULT_ALGORITHM,
-    hash_seed: str | None = None,
-    index_max_blocks: int = DEFAULT_MAX_BLOCKS,
-    tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
-) -> FastAPI:
-    """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
-
-    ``timeout_s`` bounds everything up to D's first response byte (prefill included) and any silence between
-    two stream chunks; ``connect_timeout_s`` bounds each TCP connect. ``GET /health?probe=true`` (or every
-    /health if ``probe_backends_on_health``) also checks the backends. ``max_connections=None`` means no cap
-    on pooled upstream connections (each streaming request holds one for its whole duration).
-
-    ``routing`` chooses the policy (routing.py). ``prefill_events`` / ``decode_events`` give, per instance in
-    order, its KV-event publisher and replay endpoints (``None``: that instance publishes none); with any of
-    them and ``prefix-aware`` routing the proxy keeps a cache index and hashes prompts with ``hash_algo`` and
-    ``hash_seed`` (the engines' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``; raises
-    :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
-    The :class:`PDProxy` is available as ``app.state.proxy``.
-    """
-    if not 0 <= prefix_weight <= 100:
-        raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
-    if tokenize_timeout_s <= 0:
-        raise ValueError("tokenize_timeout_s must be positive")
-    with_events = routing is Policy.PREFIX_AWARE and any(e for e in (*(prefill_events or ()), *(decode_events or ())))
-    hasher = make_hasher(hash_algo, hash_seed) if with_events else None
-
-    def pool(urls: Sequence[str], events: Sequence[tuple[str, str | None] | None] | None) -> InstancePool:
-        return InstancePool(
-            [normalize_url(u) for u in urls],
-            policy=routing,
-            prefix_weight=prefix_weight,
-            events=events if with_events else None,
-            max_blocks=index_max_blocks,
-        )
-
-    proxy = PDProxy(
-        pool(prefill_urls, prefill_events),
-        pool(decode_urls, decode_events),
-        timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s,
-        health_probe_timeout_s=health_probe_timeout_s,
-        max_connections=max_connections,
-        hasher=hasher,
-        tokenize_timeout_s=tokenize_timeout_s,
-    )
-    if routing is Policy.PREFIX_AWARE and hasher is None:
-        logger.info(
-            "prefix-aware routing without KV events (--prefill-kv-events / --decode-kv-events): routed by load only"
-        )
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await proxy.start()
-        logger.info(
-            "P/D proxy: prefill %s, decode %s, routing %s%s",
-            list(proxy.prefill.urls),
-            list(proxy.decode.urls),
-            routing.value,
-            "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
-        )
-        try:
-            yield
-        finally:
-            await proxy.stop()
-
-    app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan)
-    app.state.proxy = proxy
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await proxy.models(request)
-
-    @app.get("/health")
-    async def health(probe: bool | None = None) -> JSONResponse:
-        return await proxy.health(probe_backends_on_health if probe is None else probe)
-
-    return app

@@ -11,10 +11,11 @@ import logging
 import os
 from collections.abc import Sequence
 
-from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, DEFAULT_TOKENIZE_TIMEOUT_S, create_app
+from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, DEFAULT_TOKENIZE_TIMEOUT_S
 from vllm_kvp2p.proxy.block_hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashSettingsError
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.routing import Policy
+from vllm_kvp2p.proxy.server import create_app
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

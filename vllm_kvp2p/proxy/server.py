@@ -1,0 +1,126 @@
+"""The proxy's FastAPI app: its instance pools and routing settings (docs/routing.md), and the routes, each
+handled by :class:`~vllm_kvp2p.proxy.app.PDProxy`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_kvp2p.proxy.app import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_HEALTH_PROBE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TOKENIZE_TIMEOUT_S,
+    PDProxy,
+)
+from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
+from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.instances import InstancePool
+from vllm_kvp2p.proxy.routing import Policy
+from vllm_kvp2p.proxy.upstream import normalize_url
+
+logger = logging.getLogger("vllm_kvp2p.proxy")
+
+
+def create_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    health_probe_timeout_s: float = DEFAULT_HEALTH_PROBE_TIMEOUT_S,
+    probe_backends_on_health: bool = False,
+    max_connections: int | None = None,
+    routing: Policy = Policy.PREFIX_AWARE,
+    prefix_weight: float = 1.0,
+    prefill_events: Sequence[tuple[str, str | None] | None] | None = None,
+    decode_events: Sequence[tuple[str, str | None] | None] | None = None,
+    hash_algo: str = DEFAULT_ALGORITHM,
+    hash_seed: str | None = None,
+    index_max_blocks: int = DEFAULT_MAX_BLOCKS,
+    tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
+) -> FastAPI:
+    """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
+
+    ``timeout_s`` bounds everything up to D's first response byte (prefill included) and any silence between
+    two stream chunks; ``connect_timeout_s`` bounds each TCP connect. ``GET /health?probe=true`` (or every
+    /health if ``probe_backends_on_health``) also checks the backends. ``max_connections=None`` means no cap
+    on pooled upstream connections (each streaming request holds one for its whole duration).
+
+    ``routing`` chooses the policy (routing.py). ``prefill_events`` / ``decode_events`` give, per instance in
+    order, its KV-event publisher and replay endpoints (``None``: that instance publishes none); with any of
+    them and ``prefix-aware`` routing the proxy keeps a cache index and hashes prompts with ``hash_algo`` and
+    ``hash_seed`` (the engines' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``; raises
+    :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
+    The :class:`PDProxy` is available as ``app.state.proxy``.
+    """
+    if not 0 <= prefix_weight <= 100:
+        raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
+    if tokenize_timeout_s <= 0:
+        raise ValueError("tokenize_timeout_s must be positive")
+    with_events = routing is Policy.PREFIX_AWARE and any(e for e in (*(prefill_events or ()), *(decode_events or ())))
+    hasher = make_hasher(hash_algo, hash_seed) if with_events else None
+
+    def pool(urls: Sequence[str], events: Sequence[tuple[str, str | None] | None] | None) -> InstancePool:
+        return InstancePool(
+            [normalize_url(u) for u in urls],
+            policy=routing,
+            prefix_weight=prefix_weight,
+            events=events if with_events else None,
+            max_blocks=index_max_blocks,
+        )
+
+    proxy = PDProxy(
+        pool(prefill_urls, prefill_events),
+        pool(decode_urls, decode_events),
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        health_probe_timeout_s=health_probe_timeout_s,
+        max_connections=max_connections,
+        hasher=hasher,
+        tokenize_timeout_s=tokenize_timeout_s,
+    )
+    if routing is Policy.PREFIX_AWARE and hasher is None:
+        logger.info(
+            "prefix-aware routing without KV events (--prefill-kv-events / --decode-kv-events): routed by load only"
+        )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        logger.info(
+            "P/D proxy: prefill %s, decode %s, routing %s%s",
+            list(proxy.prefill.urls),
+            list(proxy.decode.urls),
+            routing.value,
+            "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
+        )
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.models(request)
+
+    @app.get("/health")
+    async def health(probe: bool | None = None) -> JSONResponse:
+        return await proxy.health(probe_backends_on_health if probe is None else probe)
+
+    return app

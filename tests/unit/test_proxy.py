@@ -1012,3 +1012,25 @@ def test_prompts_without_tokens_are_routed_by_load_and_answered(
     # Settings that could never match the engines' hashes refuse to build the proxy.
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
         create_app([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, hash_algo="xxhash")
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [list(range(-5, 300_000)), [2**62, -(2**62)], [1, True, 2], [1, "2"], {"a": 1}, "ünïcødé ✓ " * 2000, 7, None],
+    ids=["huge", "extreme-ints", "bools", "mixed", "dict", "non-ascii", "int", "none"],
+)
+def test_absurd_prompts_are_answered_and_routing_stays_bounded(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], prompt: object
+) -> None:
+    """Whatever a client puts in ``prompt``, prefix-aware routing either hashes a bounded prefix of a plain int list
+    (at most MAX_PROMPT_BLOCKS blocks) or routes by load; the request is passed on and answered."""
+    from vllm_kvp2p.proxy.prompt_tokens import tokenize_request
+
+    kind = tokenize_request("/v1/completions", {"model": "m", "prompt": prompt})
+    assert kind is prompt or isinstance(kind, dict) or kind is None
+    assert isinstance(kind, list) == (isinstance(prompt, list) and all(type(t) is int for t in prompt))
+    nowhere = [("tcp://127.0.0.1:9", None)]
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere)
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": prompt}, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert proxy_health(url)["prefill"][0]["pending_tokens"] == 0  # released whatever was counted

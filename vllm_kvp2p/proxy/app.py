@@ -145,7 +145,7 @@ class PDProxy:
         if self.hasher is not None:
             from vllm_kvp2p.proxy.kv_event_feed import start_feeds  # zmq only when events are configured
 
-            self._tasks.extend(start_feeds(self, self.hasher))
+            self._tasks.extend(start_feeds((self.prefill, self.decode), self.hasher))
 
     async def stop(self) -> None:
         """Stop the background tasks, close pooled connections on shutdown."""

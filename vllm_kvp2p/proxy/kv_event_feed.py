@@ -133,11 +133,11 @@ class KVEventFeed:
             sock.close(linger=0)
 
 
-def start_feeds(proxy: object, hasher: PromptHasher) -> list[asyncio.Task[None]]:
-    """One feed task per instance that publishes KV events (``proxy`` is the running :class:`PDProxy`)."""
+def start_feeds(pools: tuple[InstancePool, ...], hasher: PromptHasher) -> list[asyncio.Task[None]]:
+    """One feed task per instance of ``pools`` that publishes KV events."""
     ctx = zmq.asyncio.Context.instance()
     tasks: list[asyncio.Task[None]] = []
-    for pool in (proxy.prefill, proxy.decode):  # type: ignore[attr-defined]
+    for pool in pools:
         for inst in pool.instances:
             if inst.events_endpoint is not None:
                 feed = KVEventFeed(ctx, pool, inst, hasher)

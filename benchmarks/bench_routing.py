@@ -7,7 +7,9 @@ Two P engines (one core each) and one D, all publishing vLLM's KV events, serve 
 that prefill dominates TTFT on these cores (``--layers``, ``--hidden``). In front of the same engines, in turn:
 
 - ``proxy-lo``: ``vllm-kvp2p-proxy --routing least-outstanding``;
-- ``proxy-prefix``: ``vllm-kvp2p-proxy`` with its default ``prefix-aware`` routing and the engines' KV events;
+- ``proxy-prefix``: ``vllm-kvp2p-proxy`` with its default ``prefix-aware`` routing, the engines' KV events and
+  ``--tokenizer`` (text prompts tokenized in the proxy); ``proxy-prefix-remote``: the same without ``--tokenizer``
+  (each text prompt tokenized by a P's ``/tokenize``; not run unless named in ``--fronts``);
 - ``router-rr``, ``router-cache``, ``router-kv``: ``vllm-router --vllm-pd-disaggregation`` 0.1.17 with its
   ``round_robin``, ``cache_aware`` and ``kv_aware`` policies (``--pd-kv-events``); skipped when vllm-router is not
   installed (pip install vllm-router).
@@ -24,7 +26,7 @@ Workloads:
 Before each run every engine's prefix cache is emptied (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``).
 Reported per front and workload: TTFT p50 / p99, the P prefix-cache hit rate (``vllm:prefix_cache_hits`` over
 ``queries``, both P), its best value (every repeat of a prefix on an instance that holds it), and the KV bytes D
-pulled per request (``vllm:kvp2p_pull_bytes``).
+pulled per request (``vllm:kvp2p_pull_bytes``), and how many requests each P served.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import SERVE_BENCH, Router, _bin  # noqa: E402  (shared with bench_serving)
 
-FRONTS = ("proxy-lo", "proxy-prefix", "router-rr", "router-cache", "router-kv")
+FRONTS = ("proxy-lo", "proxy-prefix", "proxy-prefix-remote", "router-rr", "router-cache", "router-kv")
+DEFAULT_FRONTS = ("proxy-lo", "proxy-prefix", "router-rr", "router-cache", "router-kv")
 WORKLOADS = ("prefix", "multiturn", "random")
 HASH_SEED = "0"
 BLOCK = 32
@@ -112,18 +115,21 @@ class Engines:
             "queries": sum(p.metric("vllm:prefix_cache_queries_total") for p in self.producers),
             "pull_bytes": self.decode.metric("vllm:kvp2p_pull_bytes_sum"),
             "d_requests": self.decode.metric("vllm:request_success_total"),
+            **{f"p{i}_requests": p.metric("vllm:request_success_total") for i, p in enumerate(self.producers)},
         }
 
 
 @contextmanager
-def front(name: str, engines: Engines, logs: Path) -> Iterator[str]:
+def front(name: str, engines: Engines, logs: Path, model: Path) -> Iterator[str]:
     urls = [p.url for p in engines.producers]
     stop: Any
     if name.startswith("proxy-"):
         extra: tuple[str, ...] = ("--routing", "least-outstanding")
-        if name == "proxy-prefix":
+        if name.startswith("proxy-prefix"):
             extra = ("--prefill-kv-events", *(engines.endpoint(p) for p in engines.producers),
                      "--decode-kv-events", engines.endpoint(engines.decode), "--hash-seed", HASH_SEED)
+            if name == "proxy-prefix":
+                extra += ("--tokenizer", str(model))
         proxy = ProxyProcess.start(urls, [engines.decode.url], logs / f"{name}.log", extra_args=extra)
         url, stop = proxy.url, proxy.stop
     else:
@@ -220,7 +226,7 @@ def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.
     # at this run's first request, so that request alone may be routed by the previous run's blocks.
     engines.reset_caches()
     before = engines.counters()
-    with front(name, engines, logs) as url:
+    with front(name, engines, logs, model) as url:
         time.sleep(1.0)  # subscriptions settle
         if workload == "multiturn":
             ttfts = multiturn(url, args)
@@ -240,7 +246,8 @@ def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.
     return {"requests": len(ttfts), "ttft_p50_ms": round(statistics.median(ttfts), 1), "ttft_p99_ms": round(q[98], 1),
             "p_hit_rate": round(delta["hits"] / delta["queries"], 3) if delta["queries"] else None,
             "best_hit_rate": round(best_hit_rate(args, workload) or 0.0, 3),
-            "pulled_kib_per_request": round(delta["pull_bytes"] / max(1.0, delta["d_requests"]) / 1024, 1)}
+            "pulled_kib_per_request": round(delta["pull_bytes"] / max(1.0, delta["d_requests"]) / 1024, 1),
+            "p_split": "/".join(str(round(delta[f"p{i}_requests"])) for i in range(len(engines.producers)))}
 
 
 def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,12 +256,13 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
                            for k in rows[0] if isinstance(rows[0][k], (int, float))}
     out["runs"] = len(rows)
     out["ttft_p50_ms_all"] = [r["ttft_p50_ms"] for r in rows]
+    out["p_split_all"] = [r.get("p_split") for r in rows]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fronts", nargs="+", default=list(FRONTS), choices=FRONTS)
+    parser.add_argument("--fronts", nargs="+", default=list(DEFAULT_FRONTS), choices=FRONTS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -302,12 +310,13 @@ def main() -> None:
                     runs.setdefault(workload, {}).setdefault(name, []).append(row)
                     print(f"[routing] {workload} {name} rep {rep}: {row}", file=sys.stderr, flush=True)
     results = {w: {n: _median(rows) for n, rows in by_front.items()} for w, by_front in runs.items()}
-    lines = ["| workload | front | TTFT p50 ms | TTFT p99 ms | P hit rate | best | KiB pulled / request | runs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | front | TTFT p50 ms (runs) | TTFT p99 ms | P hit rate | best | KiB pulled / request | "
+             "requests per P (runs) |", "|---|---|---|---|---|---|---|---|"]
     for workload, rows in results.items():
         for name, r in rows.items():
-            lines.append(f"| {workload} | {name} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['p_hit_rate']} | "
-                         f"{r['best_hit_rate']} | {r['pulled_kib_per_request']} | {r['runs']} |")
+            lines.append(f"| {workload} | {name} | {r['ttft_p50_ms']} {r['ttft_p50_ms_all']} | {r['ttft_p99_ms']} | "
+                         f"{r['p_hit_rate']} | {r['best_hit_rate']} | {r['pulled_kib_per_request']} | "
+                         f"{', '.join(str(x) for x in r['p_split_all'])} |")
     for workload, by_front in errors.items():
         for name, err in by_front.items():
             lines.append(f"| {workload} | {name} | error: {err[:80]} | | | | | |")

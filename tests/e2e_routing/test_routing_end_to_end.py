@@ -10,12 +10,15 @@ within seconds of its restart, its index rebuilt from its new publisher.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logprob_gap, prompt_ids
-from tests.e2e_routing.conftest import RoutingCluster
+from tests.e2e_routing.conftest import HASH_SEED, RoutingCluster
+from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
+from vllm_kvp2p.testing.cluster import ProxyProcess
 
 BLOCK = 32
 HITS = "vllm:prefix_cache_hits_total"
@@ -111,6 +114,40 @@ def test_text_prompts_are_tokenized_by_a_p_and_routed_by_prefix(routing_cluster:
     assert second.headers["x-kvp2p-prefill-instance"] == holder
     assert int(second.headers["x-kvp2p-prefill-cached-tokens"]) >= (n // BLOCK - 1) * BLOCK
     assert health(c.proxy_url)["routing"]["tokenize_failures"] == 0
+
+
+def test_a_proxy_with_the_engines_tokenizer_gets_their_tokens_without_asking(
+    routing_cluster: RoutingCluster, tmp_path: Path
+) -> None:
+    """``--tokenizer``: the proxy's tokens for text prompts equal the engine's ``/tokenize`` (with and without
+    special tokens, odd text included), and a proxy using them routes a shared text prefix to its holder with no
+    round trip to a P."""
+    c = routing_cluster
+    p = c.producers[0]
+    local = LocalTokenizer(str(p.model_path))
+    texts = ("The cat sat on the mat.", "  two  spaces\tand a tab\n", "ünïcødé ✓ 🙂", " ".join(["x"] * 900))
+    for text in texts:
+        for special in (True, False):
+            assert local.tokens({"prompt": text, "add_special_tokens": special}) == p.tokenize(
+                text, add_special_tokens=special), (text, special)
+    proxy = ProxyProcess.start(
+        [s.url for s in c.producers], [c.decode.url], tmp_path / "local-tokenizer-proxy.log",
+        extra_args=("--prefill-kv-events", *(c.endpoints(s) for s in c.producers),
+                    "--decode-kv-events", c.endpoints(c.decode), "--hash-seed", HASH_SEED,
+                    "--tokenizer", str(p.model_path)))
+    try:
+        text = " ".join(f"item{i}" for i in range(150))
+        n = len(p.tokenize(text))
+        holder = route(proxy.url, text + " one ending").headers["x-kvp2p-prefill-instance"]
+        wait_for(lambda: [e for e in health(proxy.url)["prefill"] if e["url"] == holder][0]["cache"]["blocks"]
+                 >= n // BLOCK, 10, "the text prompt indexed")
+        second = route(proxy.url, text + " another ending")
+        assert second.headers["x-kvp2p-prefill-instance"] == holder
+        assert int(second.headers["x-kvp2p-prefill-cached-tokens"]) >= (n // BLOCK - 1) * BLOCK
+        routing = health(proxy.url)["routing"]
+        assert (routing["tokenized_locally"], routing["tokenized_by_p"], routing["tokenize_failures"]) == (2, 0, 0)
+    finally:
+        proxy.stop()
 
 
 def test_the_index_follows_evictions(routing_cluster: RoutingCluster) -> None:

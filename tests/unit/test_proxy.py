@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm_kvp2p.proxy import PREFILL_KV_TRANSFER_PARAMS, InstancePool, PDProxy, create_app
 from vllm_kvp2p.proxy.cli import build_parser, parse_events, resolve_instances
 from vllm_kvp2p.proxy.instances import Lease
+from vllm_kvp2p.testing.tiny_model import write_tokenizer_files
 
 # Generous per-test caps: the bounds that matter are asserted inside the tests; these only stop a hang.
 pytestmark = pytest.mark.timeout(30)
@@ -737,7 +738,8 @@ def test_health_and_models(stubs: dict[str, Stub], make_proxy: Callable[..., str
     assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "pending_tokens": 0, "served": 0,
                                "prefix_hits": 0, "hit_tokens": 0, "state": "up", "failures": 0}]
     assert body["routing"] == {"policy": "prefix-aware", "prefix_weight": 1.0, "kv_events": False,
-                               "index_blocks": 0, "tokenize_failures": 0}
+                               "index_blocks": 0, "tokenize_failures": 0, "tokenized_locally": 0,
+                               "tokenized_by_p": 0, "tokenizer": None}
     probed = httpx.get(url + "/health", params={"probe": "true"}, timeout=CLIENT_TIMEOUT).json()
     assert all(e["healthy"] for e in probed["prefill"] + probed["decode"])
     m = httpx.get(url + "/v1/models", timeout=CLIENT_TIMEOUT)
@@ -1012,6 +1014,26 @@ def test_prompts_without_tokens_are_routed_by_load_and_answered(
     # Settings that could never match the engines' hashes refuse to build the proxy.
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
         create_app([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, hash_algo="xxhash")
+
+
+def test_a_local_tokenizer_spares_the_tokenize_round_trip(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], tmp_path: Path
+) -> None:
+    """With ``tokenizer``, a text completion prompt is tokenized in the proxy (these stubs have no /tokenize, so a
+    round trip would count a failure); a chat request still asks a P (the engine's template decides its tokens)."""
+    write_tokenizer_files(tmp_path, vocab=512, max_pos=1024)
+    nowhere = [("tcp://127.0.0.1:9", None)]
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere,
+                     tokenizer=str(tmp_path))
+    assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT).status_code == 200
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=CLIENT_TIMEOUT).status_code == 200
+    routing = proxy_health(url)["routing"]
+    assert routing["tokenizer"] == str(tmp_path)
+    assert (routing["tokenized_locally"], routing["tokenized_by_p"], routing["tokenize_failures"]) == (1, 0, 1)
+    # Without KV events prompts are not hashed, so the tokenizer is not even loaded.
+    plain = make_proxy([stubs["P0"].url], [stubs["D0"].url], tokenizer=str(tmp_path / "missing"))
+    assert proxy_health(plain)["routing"]["tokenizer"] is None
 
 
 @pytest.mark.parametrize(

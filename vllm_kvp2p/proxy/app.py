@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
+from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.prompt_tokens import fetch_tokens, tokenize_request
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
@@ -110,6 +111,7 @@ class PDProxy:
         max_connections: int | None,
         hasher: PromptHasher | None = None,
         tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
+        local_tokenizer: LocalTokenizer | None = None,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
@@ -122,6 +124,11 @@ class PDProxy:
         #: Set when prefix-aware routing has KV events to route by: prompts are then tokenized and hashed.
         self.hasher = hasher
         self.tokenize_timeout_s = tokenize_timeout_s
+        #: Completion prompts are tokenized here rather than by a P's /tokenize when set (``--tokenizer``).
+        self.local_tokenizer = local_tokenizer
+        #: Text prompts tokenized in the proxy, and by a P's /tokenize.
+        self.tokenized_locally = 0
+        self.tokenized_by_p = 0
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
         #: Prompts whose tokens could not be had (routed by load only).
@@ -349,14 +356,20 @@ class PDProxy:
         """The prompt's tokens, for routing by cached prefix; ``None`` (route by load) when not routing so or
         when they cannot be had within ``tokenize_timeout_s``.
 
-        Token-id prompts are used as they are; text and chat prompts are tokenized by one P's ``/tokenize`` (the
-        engine's own tokenizer and chat template, so the tokens are those the engines will hash).
+        Token-id prompts are used as they are; text completion prompts are tokenized here with ``--tokenizer``
+        when it is set; chat prompts, and text without it, by one P's ``/tokenize`` (the engine's own tokenizer
+        and chat template, so the tokens are those the engines will hash).
         """
         if self.hasher is None:
             return None
         request = tokenize_request(path, body)
         if request is None or isinstance(request, list):
             return None if request is None else PromptBlocks(request, self.hasher)
+        if self.local_tokenizer is not None and "prompt" in request:
+            local = await anyio.to_thread.run_sync(self.local_tokenizer.tokens, request)
+            if local is not None:
+                self.tokenized_locally += 1
+                return PromptBlocks(local, self.hasher)
         # The least busy P that is up (a skipped one would only cost the timeout).
         url = min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
         timeout = min(self.tokenize_timeout_s, self._remaining(deadline))
@@ -365,6 +378,7 @@ class PDProxy:
             self.tokenize_failures += 1
             logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, url, why)
             return None
+        self.tokenized_by_p += 1
         return PromptBlocks(tokens, self.hasher)
 
     async def _decode_json(
@@ -525,6 +539,9 @@ class PDProxy:
                 "kv_events": self.hasher is not None,
                 "index_blocks": sum(len(i.cache) for pool in (self.prefill, self.decode) for i in pool.instances),
                 "tokenize_failures": self.tokenize_failures,
+                "tokenized_locally": self.tokenized_locally,
+                "tokenized_by_p": self.tokenized_by_p,
+                "tokenizer": None if self.local_tokenizer is None else self.local_tokenizer.name,
             },
         }
         if probe:

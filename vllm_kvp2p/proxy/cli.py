@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="limit on asking a P's /tokenize for a text prompt's tokens; past it the request is routed by load "
         "(default: %(default)s)",
     )
+    routing.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="the engines' tokenizer (their model directory, or its name in the Hugging Face cache): text "
+        "completion prompts are then tokenized in the proxy instead of by a P's /tokenize (needs transformers; "
+        "chat requests still use /tokenize)",
+    )
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, type=str.lower)
     return p
 
@@ -240,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             hash_seed=args.hash_seed,
             index_max_blocks=args.kv_index_max_blocks,
             tokenize_timeout_s=args.tokenize_timeout,
+            tokenizer=args.tokenizer,
         )
     except (ValueError, HashSettingsError) as exc:
         parser.error(str(exc))

@@ -20,6 +20,7 @@ from vllm_kvp2p.proxy.app import (
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.instances import InstancePool
+from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import normalize_url
 
@@ -43,6 +44,7 @@ def create_app(
     hash_seed: str | None = None,
     index_max_blocks: int = DEFAULT_MAX_BLOCKS,
     tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
+    tokenizer: str | None = None,
 ) -> FastAPI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -56,6 +58,8 @@ def create_app(
     them and ``prefix-aware`` routing the proxy keeps a cache index and hashes prompts with ``hash_algo`` and
     ``hash_seed`` (the engines' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``; raises
     :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
+    ``tokenizer`` (the engines' tokenizer files) lets the proxy tokenize text completion prompts itself rather
+    than ask a P's ``/tokenize`` (raises :class:`~vllm_kvp2p.proxy.local_tokenizer.TokenizerSettingsError`).
     The :class:`PDProxy` is available as ``app.state.proxy``.
     """
     if not 0 <= prefix_weight <= 100:
@@ -83,6 +87,8 @@ def create_app(
         max_connections=max_connections,
         hasher=hasher,
         tokenize_timeout_s=tokenize_timeout_s,
+        # Loaded only when prompts are hashed at all: without KV events the tokens would be unused.
+        local_tokenizer=LocalTokenizer(tokenizer) if tokenizer and hasher is not None else None,
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:
         logger.info(

@@ -532,6 +532,7 @@ def test_completions_non_stream(stubs: dict[str, Stub], make_proxy: Callable[...
     assert r.json()["kv_transfer_params"] == {"kvp2p_stats": {"decoded_by": "D0", "bytes": 4096}}
     assert r.headers["x-kvp2p-prefill-instance"] == stubs["P0"].url
     assert r.headers["x-kvp2p-decode-instance"] == stubs["D0"].url
+    assert float(r.headers["x-kvp2p-route-ms"]) >= 0  # reading the prompt before routing
 
 
 def test_completions_stream_passthrough(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:

@@ -299,6 +299,7 @@ class PDProxy:
             return exc.response
 
     async def _handle(self, request: Request, path: str, rid: str) -> Response:
+        received = time.monotonic()
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -317,6 +318,7 @@ class PDProxy:
 
         prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
+        route_ms = (t0 - received) * 1000.0  # the body, the prompt's tokens and hashes (routing happens below)
         p_body = self.prefill_body(body, chat=path.endswith("chat/completions"))
         p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
         prefill_ms = (time.monotonic() - t0) * 1000.0
@@ -326,6 +328,7 @@ class PDProxy:
         info_headers = {
             "X-Request-Id": rid,
             "X-KVP2P-Prefill-Instance": p_lease.url,
+            "X-KVP2P-Route-Ms": f"{route_ms:.1f}",
             "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}",
             "X-KVP2P-Prefill-Cached-Tokens": str(p_lease.cached_tokens),
         }
@@ -333,8 +336,8 @@ class PDProxy:
         info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
         info_headers["X-KVP2P-Decode-Cached-Tokens"] = str(d_lease.cached_tokens)
         logger.info(
-            "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached)",
-            rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url, d_lease.cached_tokens,
+            "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in %.1f ms",
+            rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url, d_lease.cached_tokens, route_ms,
         )
         if not stream:
             try:

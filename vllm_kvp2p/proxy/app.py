@@ -35,11 +35,10 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.health import Health
+from vllm_kvp2p.proxy.health_probe import probe_health, probe_skipped
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
-from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
-from vllm_kvp2p.proxy.prompt_tokens import fetch_tokens, tokenize_request
+from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
     PassThrough,
@@ -72,9 +71,6 @@ _FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
-DEFAULT_TOKENIZE_TIMEOUT_S = 2.0
-#: How often the proxy asks a skipped instance's /health whether it is back.
-PROBE_INTERVAL_S = 1.0
 #: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 
@@ -109,9 +105,7 @@ class PDProxy:
         connect_timeout_s: float,
         health_probe_timeout_s: float,
         max_connections: int | None,
-        hasher: PromptHasher | None = None,
-        tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
-        local_tokenizer: LocalTokenizer | None = None,
+        prompts: PromptReader | None = None,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
@@ -122,17 +116,9 @@ class PDProxy:
         self.health_probe_timeout_s = health_probe_timeout_s
         self.max_connections = max_connections
         #: Set when prefix-aware routing has KV events to route by: prompts are then tokenized and hashed.
-        self.hasher = hasher
-        self.tokenize_timeout_s = tokenize_timeout_s
-        #: Completion prompts are tokenized here rather than by a P's /tokenize when set (``--tokenizer``).
-        self.local_tokenizer = local_tokenizer
-        #: Text prompts tokenized in the proxy, and by a P's /tokenize.
-        self.tokenized_locally = 0
-        self.tokenized_by_p = 0
+        self.prompts = prompts
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
-        #: Prompts whose tokens could not be had (routed by load only).
-        self.tokenize_failures = 0
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -148,11 +134,13 @@ class PDProxy:
             trust_env=False,
         )
 
-        self._tasks.append(asyncio.create_task(self._probe_loop(), name="kvp2p-proxy-probe"))
-        if self.hasher is not None:
+        self._tasks.append(asyncio.create_task(
+            probe_skipped((self.prefill, self.decode), self.client, self.health_probe_timeout_s),
+            name="kvp2p-proxy-probe"))
+        if self.prompts is not None:
             from vllm_kvp2p.proxy.kv_event_feed import start_feeds  # zmq only when events are configured
 
-            self._tasks.extend(start_feeds((self.prefill, self.decode), self.hasher))
+            self._tasks.extend(start_feeds((self.prefill, self.decode), self.prompts.hasher))
 
     async def stop(self) -> None:
         """Stop the background tasks, close pooled connections on shutdown."""
@@ -356,33 +344,13 @@ class PDProxy:
     async def _prompt_blocks(
         self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
     ) -> PromptBlocks | None:
-        """The prompt's tokens, for routing by cached prefix; ``None`` (route by load) when not routing so or
-        when they cannot be had within ``tokenize_timeout_s``.
-
-        Token-id prompts are used as they are; text completion prompts are tokenized here with ``--tokenizer``
-        when it is set; chat prompts, and text without it, by one P's ``/tokenize`` (the engine's own tokenizer
-        and chat template, so the tokens are those the engines will hash).
-        """
-        if self.hasher is None:
+        """The prompt's blocks for routing by cached prefix (``None``: route by load; see :mod:`prompt_tokens`)."""
+        if self.prompts is None:
             return None
-        request = tokenize_request(path, body)
-        if request is None or isinstance(request, list):
-            return None if request is None else PromptBlocks(request, self.hasher)
-        if self.local_tokenizer is not None and "prompt" in request:
-            local = await anyio.to_thread.run_sync(self.local_tokenizer.tokens, request)
-            if local is not None:
-                self.tokenized_locally += 1
-                return PromptBlocks(local, self.hasher)
-        # The least busy P that is up (a skipped one would only cost the timeout).
+        # Asked of the least busy P that is up when the proxy cannot tokenize it (a skipped one would only cost
+        # the timeout).
         url = min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
-        timeout = min(self.tokenize_timeout_s, self._remaining(deadline))
-        tokens, why = await fetch_tokens(self.client, url, request, headers, timeout)
-        if tokens is None:
-            self.tokenize_failures += 1
-            logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, url, why)
-            return None
-        self.tokenized_by_p += 1
-        return PromptBlocks(tokens, self.hasher)
+        return await self.prompts.blocks(self.client, url, path, body, headers, self._remaining(deadline), rid)
 
     async def _decode_json(
         self,
@@ -497,31 +465,6 @@ class PDProxy:
             return exc.response
         return passthrough_response(resp)
 
-    async def _probe(self, url: str) -> tuple[bool, str | None]:
-        """Is ``url``'s ``/health`` answering 200 within the probe timeout?"""
-        try:
-            with anyio.fail_after(self.health_probe_timeout_s):
-                resp = await self.client.get(url + "/health")
-        except (TimeoutError, httpx.HTTPError) as exc:
-            return False, describe(exc)
-        if resp.status_code != 200:
-            return False, f"HTTP {resp.status_code}"
-        return True, None
-
-    async def _probe_loop(self) -> None:
-        """Every second, ask each skipped instance's /health whether it is back (health.py)."""
-        pools = (self.prefill, self.decode)
-        while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-            down = [(pool, inst.url) for pool in pools for inst in pool.instances if inst.health.state is not Health.UP]
-            if not down:
-                continue
-            results = await asyncio.gather(*(self._probe(url) for _, url in down))
-            for (pool, url), (ok, err) in zip(down, results, strict=True):
-                pool.probed(url, ok, err)
-                if ok:
-                    logger.info("instance %s answers /health again: routed to again", url)
-
     async def health(self, probe: bool) -> JSONResponse:
         """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
         backend's own /health.
@@ -539,17 +482,15 @@ class PDProxy:
             "routing": {
                 "policy": self.prefill.policy.value,
                 "prefix_weight": self.prefill.prefix_weight,
-                "kv_events": self.hasher is not None,
+                "kv_events": self.prompts is not None,
                 "index_blocks": sum(len(i.cache) for pool in (self.prefill, self.decode) for i in pool.instances),
-                "tokenize_failures": self.tokenize_failures,
-                "tokenized_locally": self.tokenized_locally,
-                "tokenized_by_p": self.tokenized_by_p,
-                "tokenizer": None if self.local_tokenizer is None else self.local_tokenizer.name,
+                **(self.prompts.snapshot() if self.prompts is not None else PromptReader.idle_snapshot()),
             },
         }
         if probe:
             entries = [*prefill, *decode]
-            results = await asyncio.gather(*(self._probe(str(e["url"])) for e in entries))
+            results = await asyncio.gather(
+                *(probe_health(self.client, str(e["url"]), self.health_probe_timeout_s) for e in entries))
             for entry, (ok, err) in zip(entries, results, strict=True):
                 entry["healthy"] = ok
                 if err is not None:

@@ -11,9 +11,10 @@ import logging
 import os
 from collections.abc import Sequence
 
-from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, DEFAULT_TOKENIZE_TIMEOUT_S
+from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from vllm_kvp2p.proxy.block_hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashSettingsError
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.server import create_app
 

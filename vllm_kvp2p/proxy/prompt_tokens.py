@@ -1,19 +1,30 @@
-"""A request's prompt tokens, for routing by cached prefix: taken from the request, or asked of a P's ``/tokenize``.
+"""A request's prompt tokens, for routing by cached prefix: taken from the request, computed by the proxy's own
+tokenizer (``--tokenizer``, :mod:`local_tokenizer`), or asked of a P's ``/tokenize``.
 
-Token-id prompts are used as they are. Text and chat prompts are tokenized by one P (vLLM's ``/tokenize``: the
-engine's own tokenizer and chat template, so the tokens are those the engines will hash). Requests whose blocks
-vLLM hashes with extra keys (a cache salt, a LoRA adapter), several prompts, or none, get no tokens: they are
-routed by load.
+Token-id prompts are used as they are. Text completion prompts are tokenized in the proxy when it has the
+engines' tokenizer; chat prompts, and text without it, by one P (vLLM's ``/tokenize``: the engine's own tokenizer
+and chat template, so the tokens are those the engines will hash). Requests whose blocks vLLM hashes with extra
+keys (a cache salt, a LoRA adapter), several prompts, or none, get no tokens: they are routed by load.
+:class:`PromptReader` is the one place that decides which, and counts what happened.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
 import httpx
 
+from vllm_kvp2p.proxy.block_hashes import PromptHasher
+from vllm_kvp2p.proxy.instances import PromptBlocks
+from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.upstream import describe
+
+logger = logging.getLogger("vllm_kvp2p.proxy")
+
+#: Limit on a P's /tokenize answer (``--tokenize-timeout``).
+DEFAULT_TOKENIZE_TIMEOUT_S = 2.0
 
 # What vLLM's /tokenize takes of a completion or chat request (vLLM's TokenizeCompletionRequest and
 # TokenizeChatRequest): the same tokens the engines will hash.
@@ -62,3 +73,51 @@ async def fetch_tokens(
     if not is_token_list(tokens):
         return None, f"HTTP {resp.status_code}" if resp.status_code != 200 else "no token list"
     return tokens, ""
+
+
+class PromptReader:
+    """Reads each request's prompt into :class:`PromptBlocks` for routing, and counts where the tokens came from."""
+
+    def __init__(self, hasher: PromptHasher, *, timeout_s: float, local_tokenizer: LocalTokenizer | None) -> None:
+        self.hasher = hasher
+        self.timeout_s = timeout_s
+        self.local_tokenizer = local_tokenizer
+        self.tokenized_locally = 0  # text prompts tokenized in the proxy
+        self.tokenized_by_p = 0  # ... and by a P's /tokenize
+        self.failures = 0  # prompts whose tokens could not be had (routed by load only)
+
+    async def blocks(
+        self, client: httpx.AsyncClient, tokenize_url: str, path: str, body: dict[str, Any],
+        headers: dict[str, str], remaining_s: float, rid: str,
+    ) -> PromptBlocks | None:
+        """The prompt's blocks, or None (route by load). ``tokenize_url`` is the P to ask when the proxy cannot
+        tokenize the prompt itself; ``remaining_s`` what is left of the request's deadline."""
+        request = tokenize_request(path, body)
+        if request is None or isinstance(request, list):
+            return None if request is None else PromptBlocks(request, self.hasher)
+        if self.local_tokenizer is not None and "prompt" in request:
+            # A worker thread: a long prompt must not stall the event loop that relays every other request.
+            local = await anyio.to_thread.run_sync(self.local_tokenizer.tokens, request)
+            if local is not None:
+                self.tokenized_locally += 1
+                return PromptBlocks(local, self.hasher)
+        tokens, why = await fetch_tokens(client, tokenize_url, request, headers, min(self.timeout_s, remaining_s))
+        if tokens is None:
+            self.failures += 1
+            logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, tokenize_url, why)
+            return None
+        self.tokenized_by_p += 1
+        return PromptBlocks(tokens, self.hasher)
+
+    @staticmethod
+    def idle_snapshot() -> dict[str, Any]:
+        """What ``/health`` shows when no prompt is read (no KV events to route by)."""
+        return {"tokenize_failures": 0, "tokenized_locally": 0, "tokenized_by_p": 0, "tokenizer": None}
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "tokenize_failures": self.failures,
+            "tokenized_locally": self.tokenized_locally,
+            "tokenized_by_p": self.tokenized_by_p,
+            "tokenizer": None if self.local_tokenizer is None else self.local_tokenizer.name,
+        }

@@ -14,13 +14,13 @@ from vllm_kvp2p.proxy.app import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_PROBE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    DEFAULT_TOKENIZE_TIMEOUT_S,
     PDProxy,
 )
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
+from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import normalize_url
 
@@ -85,10 +85,9 @@ def create_app(
         connect_timeout_s=connect_timeout_s,
         health_probe_timeout_s=health_probe_timeout_s,
         max_connections=max_connections,
-        hasher=hasher,
-        tokenize_timeout_s=tokenize_timeout_s,
         # Loaded only when prompts are hashed at all: without KV events the tokens would be unused.
-        local_tokenizer=LocalTokenizer(tokenizer) if tokenizer and hasher is not None else None,
+        prompts=None if hasher is None else PromptReader(
+            hasher, timeout_s=tokenize_timeout_s, local_tokenizer=LocalTokenizer(tokenizer) if tokenizer else None),
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:
         logger.info(

@@ -161,8 +161,10 @@ def serve_bench(url: str, model: Path, args: argparse.Namespace, dataset: list[s
     return [t * 1000 for t in raw["ttfts"]]
 
 
-def multiturn(url: str, args: argparse.Namespace) -> list[float]:
-    """Chats whose every turn resends the history: token-id prompts, TTFT by streaming."""
+def multiturn(url: str, args: argparse.Namespace, hit_ttfts: list[float]) -> list[float]:
+    """Chats whose every turn resends the history: token-id prompts, TTFT by streaming. ``hit_ttfts`` gets the
+    TTFTs of the turns whose P held all but the new message (behind this proxy, which says so in a header): the
+    floor no placement can go under."""
     rng = random.Random(args.seed)
     system = [rng.randrange(4, 500) for _ in range(args.system_len)]
     ttfts: list[float] = []
@@ -181,6 +183,7 @@ def multiturn(url: str, args: argparse.Namespace) -> list[float]:
                         "ignore_eos": True, "stream": True}
                 with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     resp.raise_for_status()
+                    cached = int(resp.headers.get("x-kvp2p-prefill-cached-tokens", "-1"))
                     for line in resp.iter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
                             if first is None:
@@ -188,6 +191,8 @@ def multiturn(url: str, args: argparse.Namespace) -> list[float]:
                             answer.append(json.loads(line[6:])["choices"][0]["text"])
                 with lock:
                     ttfts.append((first or 0.0) * 1000)
+                    if cached >= (len(history) - args.user_len) // BLOCK * BLOCK > 0:
+                        hit_ttfts.append((first or 0.0) * 1000)
                 # The answer joins the history (as token ids, a stand-in for its re-tokenized text).
                 history += [crng.randrange(4, 500) for _ in range(args.output_len)]
                 time.sleep(crng.expovariate(1 / args.think_s))
@@ -226,10 +231,11 @@ def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.
     # at this run's first request, so that request alone may be routed by the previous run's blocks.
     engines.reset_caches()
     before = engines.counters()
+    hit_ttfts: list[float] = []
     with front(name, engines, logs, model) as url:
         time.sleep(1.0)  # subscriptions settle
         if workload == "multiturn":
-            ttfts = multiturn(url, args)
+            ttfts = multiturn(url, args, hit_ttfts)
         elif workload == "prefix":
             ttfts = serve_bench(url, model, args, [
                 "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
@@ -247,6 +253,8 @@ def run(name: str, workload: str, engines: Engines, model: Path, args: argparse.
             "p_hit_rate": round(delta["hits"] / delta["queries"], 3) if delta["queries"] else None,
             "best_hit_rate": round(best_hit_rate(args, workload) or 0.0, 3),
             "pulled_kib_per_request": round(delta["pull_bytes"] / max(1.0, delta["d_requests"]) / 1024, 1),
+            "hit_ttft_p50_ms": round(statistics.median(hit_ttfts), 1) if hit_ttfts else None,
+            "hit_requests": len(hit_ttfts) if hit_ttfts else None,
             "p_split": "/".join(str(round(delta[f"p{i}_requests"])) for i in range(len(engines.producers)))}
 
 
@@ -311,15 +319,15 @@ def main() -> None:
                     print(f"[routing] {workload} {name} rep {rep}: {row}", file=sys.stderr, flush=True)
     results = {w: {n: _median(rows) for n, rows in by_front.items()} for w, by_front in runs.items()}
     lines = ["| workload | front | TTFT p50 ms (runs) | TTFT p99 ms | P hit rate | best | KiB pulled / request | "
-             "requests per P (runs) |", "|---|---|---|---|---|---|---|---|"]
+             "requests per P (runs) | TTFT p50 of full hits |", "|---|---|---|---|---|---|---|---|---|"]
     for workload, rows in results.items():
         for name, r in rows.items():
             lines.append(f"| {workload} | {name} | {r['ttft_p50_ms']} {r['ttft_p50_ms_all']} | {r['ttft_p99_ms']} | "
                          f"{r['p_hit_rate']} | {r['best_hit_rate']} | {r['pulled_kib_per_request']} | "
-                         f"{', '.join(str(x) for x in r['p_split_all'])} |")
+                         f"{', '.join(str(x) for x in r['p_split_all'])} | {r.get('hit_ttft_p50_ms', '')} |")
     for workload, by_front in errors.items():
         for name, err in by_front.items():
-            lines.append(f"| {workload} | {name} | error: {err[:80]} | | | | | |")
+            lines.append(f"| {workload} | {name} | error: {err[:80]} | | | | | | |")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results, "runs": runs,

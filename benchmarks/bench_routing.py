@@ -191,7 +191,8 @@ def multiturn(url: str, args: argparse.Namespace, hit_ttfts: list[float]) -> lis
                             answer.append(json.loads(line[6:])["choices"][0]["text"])
                 with lock:
                     ttfts.append((first or 0.0) * 1000)
-                    if cached >= (len(history) - args.user_len) // BLOCK * BLOCK > 0:
+                    # P held every full block of the previous turn's prompt (the answer is new to it).
+                    if cached >= (len(history) - args.user_len - args.output_len) // BLOCK * BLOCK > 0:
                         hit_ttfts.append((first or 0.0) * 1000)
                 # The answer joins the history (as token ids, a stand-in for its re-tokenized text).
                 history += [crng.randrange(4, 500) for _ in range(args.output_len)]

@@ -33,10 +33,10 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from vllm_kvp2p.proxy.health import Health
-from vllm_kvp2p.proxy.health_probe import probe_health, probe_skipped
+from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
@@ -464,38 +464,3 @@ class PDProxy:
         except PassThrough as exc:
             return exc.response
         return passthrough_response(resp)
-
-    async def health(self, probe: bool) -> JSONResponse:
-        """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
-        backend's own /health.
-
-        Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
-        """
-        prefill = self.prefill.snapshot()
-        decode = self.decode.snapshot()
-        status_code = 200
-        body: dict[str, Any] = {
-            "status": "ok",
-            "prefill": prefill,
-            "decode": decode,
-            "prefill_retries": self.prefill_retries,
-            "routing": {
-                "policy": self.prefill.policy.value,
-                "prefix_weight": self.prefill.prefix_weight,
-                "kv_events": self.prompts is not None,
-                "index_blocks": sum(len(i.cache) for pool in (self.prefill, self.decode) for i in pool.instances),
-                **(self.prompts.snapshot() if self.prompts is not None else PromptReader.idle_snapshot()),
-            },
-        }
-        if probe:
-            entries = [*prefill, *decode]
-            results = await asyncio.gather(
-                *(probe_health(self.client, str(e["url"]), self.health_probe_timeout_s) for e in entries))
-            for entry, (ok, err) in zip(entries, results, strict=True):
-                entry["healthy"] = ok
-                if err is not None:
-                    entry["error"] = err
-            if not any(e["healthy"] for e in prefill) or not any(e["healthy"] for e in decode):
-                body["status"] = "unhealthy"
-                status_code = 503
-        return JSONResponse(body, status_code)

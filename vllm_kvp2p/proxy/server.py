@@ -18,6 +18,7 @@ from vllm_kvp2p.proxy.app import (
 )
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.health_probe import health_report
 from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader
@@ -126,6 +127,6 @@ def create_app(
 
     @app.get("/health")
     async def health(probe: bool | None = None) -> JSONResponse:
-        return await proxy.health(probe_backends_on_health if probe is None else probe)
+        return await health_report(proxy, probe_backends_on_health if probe is None else probe)
 
     return app

@@ -90,7 +90,7 @@ EOF
   # As in scripts/setup.sh: companions built for another torch break `import vllm` and only serve multimodal models.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "${PIP[@]}" install -c "$wheels/constraints.txt" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
-    msgspec pyzmq fastapi uvicorn httpx pybind11 'cmake>=3.22' ninja pytest pytest-timeout hypothesis requests
+    msgspec pyzmq fastapi uvicorn aiohttp httpx pybind11 'cmake>=3.22' ninja pytest pytest-timeout hypothesis requests
   rm -rf "$wheels"
   "$VENV/bin/python" -c "import vllm, torch, mooncake.engine; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
   echo "$base_want" > "$VENV/.base-stamp"

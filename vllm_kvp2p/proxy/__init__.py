@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode proxy (``vllm-kvp2p-proxy``).
 
-Deliberately free of vllm and torch imports: it only needs fastapi, httpx and uvicorn (and pyzmq and msgspec to
+Deliberately free of vllm and torch imports: it only needs fastapi, aiohttp and uvicorn (and pyzmq and msgspec to
 read the engines' KV events).
 """
 

@@ -27,13 +27,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
-
-import anyio
-import httpx
-from fastapi import Request
-from fastapi.responses import Response
 
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
@@ -41,14 +36,18 @@ from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
+    TRANSPORT_ERRORS,
+    Answer,
     PassThrough,
     ProxyError,
-    RelayStreamingResponse,
+    Relay,
+    Upstream,
+    UpstreamStream,
     check_status,
     describe,
     error_body,
-    passthrough_response,
     upstream_failure,
+    went_away,
 )
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
@@ -74,22 +73,12 @@ DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
 #: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 
-#: Transport failures that mean P went away before answering: refused, reset, closed without a response.
-#: Timeouts (``httpx.TimeoutException``, the overall deadline) are deliberately not here.
-RETRYABLE_PREFILL_ERRORS: tuple[type[httpx.HTTPError], ...] = (
-    httpx.ConnectError,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-)
-
-
 class PrefillLost(ProxyError):
-    """P went away before answering (one of :data:`RETRYABLE_PREFILL_ERRORS`): the prefill can be retried."""
+    """P went away before answering (:func:`~vllm_kvp2p.proxy.upstream.went_away`): the prefill can be retried."""
 
     def __init__(self, err: ProxyError, cause: BaseException) -> None:
         super().__init__(err.status, err.message, err.err_type)
-        #: The transport error, e.g. ``ConnectError: [Errno 111] Connection refused``.
+        #: The transport error, e.g. ``ClientConnectorError: Cannot connect to host ...``.
         self.cause = describe(cause)
 
 
@@ -119,19 +108,17 @@ class PDProxy:
         self.prompts = prompts
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
-        self._client: httpx.AsyncClient | None = None
+        self._client: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Create the one pooled client (per event loop, hence here and not in ``__init__``)."""
-        self._client = httpx.AsyncClient(
-            # read/write apply per chunk: bounds a stalled stream without capping a long healthy one.
-            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
-            limits=httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=100),
-            # P/D traffic is cluster-internal: never route it through an HTTP(S)_PROXY from the environment.
-            trust_env=False,
+        self._client = Upstream(
+            read_timeout_s=self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            max_connections=self.max_connections,
         )
 
         self._tasks.append(asyncio.create_task(
@@ -149,11 +136,11 @@ class PDProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> Upstream:
         """The shared client; only valid while the app is running (inside its lifespan)."""
         if self._client is None:
             raise RuntimeError("proxy client used outside the app lifespan")
@@ -185,12 +172,10 @@ class PDProxy:
         Raises :class:`PrefillLost` if P went away before answering, any other :class:`ProxyError` otherwise.
         """
         try:
-            with anyio.fail_after(self._remaining(deadline)):
-                resp = await self.client.post(url + path, json=body, headers=headers)
-        except RETRYABLE_PREFILL_ERRORS as exc:
-            raise PrefillLost(upstream_failure("prefill", url, exc, self.timeout_s), exc) from exc
-        except (TimeoutError, httpx.HTTPError) as exc:
-            raise upstream_failure("prefill", url, exc, self.timeout_s) from exc
+            resp = await self.client.request("POST", url + path, self._remaining(deadline), body=body, headers=headers)
+        except TRANSPORT_ERRORS as exc:
+            err = upstream_failure("prefill", url, exc, self.timeout_s)
+            raise (PrefillLost(err, exc) if went_away(exc) else err) from exc
         check_status("prefill", url, resp, {"X-Request-Id": rid})
         try:
             data = resp.json()
@@ -274,21 +259,21 @@ class PDProxy:
                 exc.status, f"{exc.message} (after a retry; first: {lost.message})", exc.err_type
             ) from exc
 
-    async def handle(self, request: Request, path: str) -> Response:
-        """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request."""
-        rid = request.headers.get("x-request-id") or str(uuid.uuid4())
+    async def handle(self, raw: bytes, client_headers: Mapping[str, str], path: str) -> Answer | Relay:
+        """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request: ``raw`` is its body,
+        ``client_headers`` its headers (lower-case names)."""
+        rid = client_headers.get("x-request-id") or str(uuid.uuid4())
         try:
-            return await self._handle(request, path, rid)
+            return await self._handle(raw, client_headers, path, rid)
         except ProxyError as exc:
             logger.warning("request %s: %s", rid, exc.message)
-            return exc.to_response(rid)
+            return exc.to_answer(rid)
         except PassThrough as exc:
-            logger.info("request %s: upstream answered %d, passed through", rid, exc.response.status_code)
-            return exc.response
+            logger.info("request %s: upstream answered %d, passed through", rid, exc.answer.status)
+            return exc.answer
 
-    async def _handle(self, request: Request, path: str, rid: str) -> Response:
+    async def _handle(self, raw: bytes, client_headers: Mapping[str, str], path: str, rid: str) -> Answer | Relay:
         received = time.monotonic()
-        raw = await request.body()
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -298,7 +283,7 @@ class PDProxy:
 
         headers = {"X-Request-Id": rid}
         for name in _FORWARDED_HEADERS:
-            value = request.headers.get(name)
+            value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
         deadline = time.monotonic() + self.timeout_s
@@ -360,18 +345,17 @@ class PDProxy:
         headers: dict[str, str],
         deadline: float,
         info_headers: dict[str, str],
-    ) -> Response:
+    ) -> Answer:
         """Non-streaming decode: D's JSON (``kv_transfer_params`` and all) with D's status."""
         try:
-            with anyio.fail_after(self._remaining(deadline)):
-                resp = await self.client.post(url + path, json=body, headers=headers)
-        except (TimeoutError, httpx.HTTPError) as exc:
+            resp = await self.client.request("POST", url + path, self._remaining(deadline), body=body, headers=headers)
+        except TRANSPORT_ERRORS as exc:
             err = upstream_failure("decode", url, exc, self.timeout_s)
             self._outcome(self.decode, url, err)
             raise err from exc
         self.decode.answered(url)
         check_status("decode", url, resp, info_headers)
-        return passthrough_response(resp, info_headers)
+        return Answer(resp.status, resp.body, resp.content_type, info_headers)
 
     async def _decode_stream(
         self,
@@ -382,53 +366,44 @@ class PDProxy:
         deadline: float,
         info_headers: dict[str, str],
         rid: str,
-    ) -> Response:
-        """Streaming decode: wait (bounded) for D's headers, then relay its SSE bytes as they come.
+    ) -> Answer | Relay:
+        """Streaming decode: wait (bounded) for D's head, then relay its SSE bytes as they come.
 
-        The returned response owns the decode slot: it releases it when the stream ends, however it ends.
+        The returned :class:`Relay` owns the decode slot: its ``close`` releases it, however the stream ends.
         """
         url = lease.url
-        req = self.client.build_request("POST", url + path, json=body, headers=headers)
-        resp: httpx.Response | None = None
         try:
-            with anyio.fail_after(self._remaining(deadline)):
-                resp = await self.client.send(req, stream=True)
-                if not 200 <= resp.status_code < 300:
-                    await resp.aread()
-        except (TimeoutError, httpx.HTTPError) as exc:
-            if resp is not None:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
+            opened = await self.client.open_stream(url + path, body, headers, self._remaining(deadline))
+        except TRANSPORT_ERRORS as exc:
             err = upstream_failure("decode", url, exc, self.timeout_s)
             self._outcome(self.decode, url, err)
             raise err from exc
         self.decode.answered(url)
-        if not 200 <= resp.status_code < 300:
-            await resp.aclose()
-            check_status("decode", url, resp, info_headers)
+        if not isinstance(opened, UpstreamStream):
+            check_status("decode", url, opened, info_headers)  # raises: open_stream answers whole only when not 2xx
+        stream = opened
+        closed = False
 
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                stream.close()
                 self.decode.release(lease)
 
-        return RelayStreamingResponse(
-            self._relay(resp, url, rid),
-            upstream=resp,
-            on_close=release,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "text/event-stream"),
-            headers={**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return Relay(
+            stream.status,
+            stream.content_type or "text/event-stream",
+            {**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            self._relay(stream, url, rid),
+            close,
         )
 
-    async def _relay(self, resp: httpx.Response, url: str, rid: str) -> AsyncIterator[bytes]:
+    async def _relay(self, stream: UpstreamStream, url: str, rid: str) -> AsyncIterator[bytes]:
         """Yield D's bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event."""
         tail = b""
         try:
-            async for chunk in resp.aiter_bytes():
+            async for chunk in stream.chunks():
                 if chunk:
                     tail = (tail + chunk)[-2:]
                     yield chunk
@@ -441,26 +416,23 @@ class PDProxy:
             payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
             yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"
         finally:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            stream.close()
 
     # -- other endpoints -------------------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, client_headers: Mapping[str, str]) -> Answer:
         """Forward ``GET /v1/models`` to a decode instance (D serves the model the client talks to)."""
-        headers = {name: v for name in _FORWARDED_HEADERS if (v := request.headers.get(name)) is not None}
-        deadline = time.monotonic() + self.timeout_s
+        headers = {name: v for name in _FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
         with self.decode.lease() as lease:
             url = lease.url
             try:
-                with anyio.fail_after(self._remaining(deadline)):
-                    resp = await self.client.get(url + "/v1/models", headers=headers)
-            except (TimeoutError, httpx.HTTPError) as exc:
-                return upstream_failure("decode", url, exc, self.timeout_s).to_response()
+                resp = await self.client.request("GET", url + "/v1/models", self.timeout_s, headers=headers)
+            except TRANSPORT_ERRORS as exc:
+                return upstream_failure("decode", url, exc, self.timeout_s).to_answer()
         try:
             check_status("decode", url, resp, {})
         except ProxyError as exc:
-            return exc.to_response()
+            return exc.to_answer()
         except PassThrough as exc:
-            return exc.response
-        return passthrough_response(resp)
+            return exc.answer
+        return resp

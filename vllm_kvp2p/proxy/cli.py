@@ -232,10 +232,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.timeout <= 0 or args.connect_timeout <= 0:
         parser.error("--timeout and --connect-timeout must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every upstream request at INFO: two lines per client request that the proxy's own line already
-    # covers (which P, which D), at a measurable share of the proxy's CPU. Shown at --log-level debug.
-    if args.log_level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.tokenize_timeout <= 0:
         parser.error("--tokenize-timeout must be positive")
     try:

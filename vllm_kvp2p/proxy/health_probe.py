@@ -13,14 +13,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import httpx
 from fastapi.responses import JSONResponse
 
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
-from vllm_kvp2p.proxy.upstream import describe
+from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Upstream, describe
 
 if TYPE_CHECKING:
     from vllm_kvp2p.proxy.app import PDProxy
@@ -31,19 +29,18 @@ logger = logging.getLogger("vllm_kvp2p.proxy")
 PROBE_INTERVAL_S = 1.0
 
 
-async def probe_health(client: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[bool, str | None]:
+async def probe_health(client: Upstream, url: str, timeout_s: float) -> tuple[bool, str | None]:
     """Is ``url``'s ``/health`` answering 200 within ``timeout_s``? And if not, why not."""
     try:
-        with anyio.fail_after(timeout_s):
-            resp = await client.get(url + "/health")
-    except (TimeoutError, httpx.HTTPError) as exc:
+        resp = await client.request("GET", url + "/health", timeout_s)
+    except TRANSPORT_ERRORS as exc:
         return False, describe(exc)
-    if resp.status_code != 200:
-        return False, f"HTTP {resp.status_code}"
+    if resp.status != 200:
+        return False, f"HTTP {resp.status}"
     return True, None
 
 
-async def probe_skipped(pools: Sequence[InstancePool], client: httpx.AsyncClient, timeout_s: float) -> None:
+async def probe_skipped(pools: Sequence[InstancePool], client: Upstream, timeout_s: float) -> None:
     """Every :data:`PROBE_INTERVAL_S`, probe each instance that is not up and report the answer to its pool."""
     while True:
         await asyncio.sleep(PROBE_INTERVAL_S)

@@ -10,16 +10,14 @@ keys (a cache salt, a LoRA adapter), several prompts, or none, get no tokens: th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
-
-import anyio
-import httpx
 
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.instances import PromptBlocks
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
-from vllm_kvp2p.proxy.upstream import describe
+from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Upstream, describe
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -61,17 +59,16 @@ def tokenize_request(path: str, body: dict[str, Any]) -> list[int] | dict[str, A
 
 
 async def fetch_tokens(
-    client: httpx.AsyncClient, url: str, tok_body: dict[str, Any], headers: dict[str, str], timeout_s: float
+    client: Upstream, url: str, tok_body: dict[str, Any], headers: dict[str, str], timeout_s: float
 ) -> tuple[list[int] | None, str]:
     """``url``'s ``/tokenize`` answer for ``tok_body`` within ``timeout_s``: the tokens, or None and why not."""
     try:
-        with anyio.fail_after(timeout_s):
-            resp = await client.post(url + "/tokenize", json=tok_body, headers=headers)
-        tokens = resp.json().get("tokens") if resp.status_code == 200 else None
-    except (TimeoutError, httpx.HTTPError, ValueError, AttributeError) as exc:
+        resp = await client.request("POST", url + "/tokenize", timeout_s, body=tok_body, headers=headers)
+        tokens = resp.json().get("tokens") if resp.status == 200 else None
+    except (*TRANSPORT_ERRORS, ValueError, AttributeError) as exc:
         return None, describe(exc)
     if not is_token_list(tokens):
-        return None, f"HTTP {resp.status_code}" if resp.status_code != 200 else "no token list"
+        return None, f"HTTP {resp.status}" if resp.status != 200 else "no token list"
     return tokens, ""
 
 
@@ -87,7 +84,7 @@ class PromptReader:
         self.failures = 0  # prompts whose tokens could not be had (routed by load only)
 
     async def blocks(
-        self, client: httpx.AsyncClient, tokenize_url: str, path: str, body: dict[str, Any],
+        self, client: Upstream, tokenize_url: str, path: str, body: dict[str, Any],
         headers: dict[str, str], remaining_s: float, rid: str,
     ) -> PromptBlocks | None:
         """The prompt's blocks, or None (route by load). ``tokenize_url`` is the P to ask when the proxy cannot
@@ -97,7 +94,7 @@ class PromptReader:
             return None if request is None else PromptBlocks(request, self.hasher)
         if self.local_tokenizer is not None and "prompt" in request:
             # A worker thread: a long prompt must not stall the event loop that relays every other request.
-            local = await anyio.to_thread.run_sync(self.local_tokenizer.tokens, request)
+            local = await asyncio.to_thread(self.local_tokenizer.tokens, request)
             if local is not None:
                 self.tokenized_locally += 1
                 return PromptBlocks(local, self.hasher)

@@ -1,5 +1,5 @@
-"""The proxy's FastAPI app: its instance pools and routing settings (docs/routing.md), and the routes, each
-handled by :class:`~vllm_kvp2p.proxy.app.PDProxy`."""
+"""The proxy's app: its instance pools and routing settings (docs/routing.md), and the routes, each handled by
+:class:`~vllm_kvp2p.proxy.app.PDProxy` (the completion routes on bare ASGI, :mod:`asgi`; the rest on FastAPI)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from vllm_kvp2p.proxy.app import (
     DEFAULT_TIMEOUT_S,
     PDProxy,
 )
+from vllm_kvp2p.proxy.asgi import ProxyASGI
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.health_probe import health_report
@@ -23,7 +24,7 @@ from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader
 from vllm_kvp2p.proxy.routing import Policy
-from vllm_kvp2p.proxy.upstream import normalize_url
+from vllm_kvp2p.proxy.upstream import Answer, normalize_url
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -46,7 +47,7 @@ def create_app(
     index_max_blocks: int = DEFAULT_MAX_BLOCKS,
     tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
     tokenizer: str | None = None,
-) -> FastAPI:
+) -> ProxyASGI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
     ``timeout_s`` bounds everything up to D's first response byte (prefill included) and any silence between
@@ -61,7 +62,7 @@ def create_app(
     :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
     ``tokenizer`` (the engines' tokenizer files) lets the proxy tokenize text completion prompts itself rather
     than ask a P's ``/tokenize`` (raises :class:`~vllm_kvp2p.proxy.local_tokenizer.TokenizerSettingsError`).
-    The :class:`PDProxy` is available as ``app.state.proxy``.
+    The :class:`PDProxy` is available as ``app.proxy``.
     """
     if not 0 <= prefix_weight <= 100:
         raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
@@ -111,22 +112,17 @@ def create_app(
             await proxy.stop()
 
     app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan)
-    app.state.proxy = proxy
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await proxy.models(request)
+        return to_response(await proxy.models(request.headers))
 
     @app.get("/health")
     async def health(probe: bool | None = None) -> JSONResponse:
         return await health_report(proxy, probe_backends_on_health if probe is None else probe)
 
-    return app
+    return ProxyASGI(proxy, app)
+
+
+def to_response(answer: Answer) -> Response:
+    return Response(answer.body, answer.status, dict(answer.headers), media_type=answer.content_type)

@@ -10,6 +10,7 @@ from tests.support.prompts import prompt, remote
 from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, load_failure_problem, needed_tail
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, LocalKV, Source
+from vllm_kvp2p.lifecycle.read_plan import read_descriptors
 from vllm_kvp2p.lifecycle.stages import plane_pairs
 from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.tp_mapping import HeadSlice
@@ -136,9 +137,8 @@ def started_pull(local: LocalKV, p_tp_size: int = 1) -> ConsumerPull:
 def test_each_group_reads_its_own_planes_with_its_own_block_ids() -> None:
     local = local_kv(1 << 20, (FULL_G, STATE_G))
     p = registration_of(local_kv(1 << 30, (FULL_G, STATE_G)))
-    job = started_pull(local)
     source = Source(0, 1, (HeadSlice(0, 0, 0, 2),))
-    descriptors = job._descriptors_for(source, p, plane_pairs(local, p))
+    descriptors = read_descriptors(state_plan(1), local, source, p, plane_pairs(local, p))
     pairs = sorted(zip(descriptors.local_addrs, descriptors.remote_addrs, descriptors.lengths))
     attn_l, attn_r, state_l, state_r = (1 << 20), (1 << 30), (1 << 20) + 1_000_000, (1 << 30) + 1_000_000
     # attention blocks 3, 4 <- 1, 2 (adjacent on both sides: one run); state page 9 <- 5, whole (4096 bytes).

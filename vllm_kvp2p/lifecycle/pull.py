@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_kvp2p.kv_groups import STATE
 from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Judgement, Verdict, Verification, judge, verification_for
@@ -40,11 +39,10 @@ from vllm_kvp2p.lifecycle.pull_actions import (
     Source,
     Wait,
 )
+from vllm_kvp2p.lifecycle.read_plan import read_descriptors
 from vllm_kvp2p.lifecycle.stages import coverage_problem, plane_pairs
 from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew, UnitSums
-from vllm_kvp2p.tp_mapping import HeadSlice
-from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
-from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
+from vllm_kvp2p.transfer.descriptors import Descriptors
 
 __all__ = [
     "Action", "ConsumerPull", "FetchRegistration", "Finish", "LocalKV", "Outcome", "PullResult", "ReadBatch",
@@ -412,7 +410,7 @@ class ConsumerPull:
         assert not isinstance(pairs, str)  # registration_problem said it pairs
         st.pairs = pairs
         try:
-            descriptors = self._descriptors_for(source, registration, pairs)
+            descriptors = read_descriptors(self.plan, self.local, source, registration, pairs)
         except ValueError as exc:
             self._fail(f"cannot address blocks on P rank {source.p_rank}: {exc}", Failure.INCOMPATIBLE)
             return False
@@ -438,58 +436,6 @@ class ConsumerPull:
         r, source = self.plan.remote, st.source
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
                        self._pulled(source), st.lease_token, asked.query if asked is not None else None)
-
-    def _descriptors_for(self, source: Source, reg: RankRegistration,
-                         pairs: Sequence[tuple[int, int]]) -> Descriptors:
-        """Each KV-cache group's planes with that group's block ids (one group: all planes)."""
-        plan, local = self.plan, self.local
-        local_of = local.group_of_planes()
-        groups = local.kv_groups()
-        out = Descriptors([], [], [])
-        for g, (local_ids, remote_ids) in enumerate(zip(plan.local_block_ids, plan.remote_block_ids)):
-            if not local_ids:
-                continue
-            # The planes of the layers both hold (every plane without pipeline stages); groups match per pair.
-            mine = [d for d, _ in pairs if local_of[d] == g]
-            theirs = [q for d, q in pairs if local_of[d] == g]
-            if groups[g].kind == STATE:  # whole state pages, rank to rank (same TP on both sides, checked)
-                d = build_descriptors([local.planes[i] for i in mine], [reg.planes[i] for i in theirs],
-                                      local_ids, remote_ids)
-            else:
-                d = self._group_descriptors(
-                    source, reg, [local.planes[i] for i in mine], tuple(local.shapes[i] for i in mine),
-                    [reg.planes[i] for i in theirs], tuple(reg.block_shapes[i] for i in theirs), local_ids,
-                    remote_ids,
-                )
-            out.local_addrs.extend(d.local_addrs)
-            out.remote_addrs.extend(d.remote_addrs)
-            out.lengths.extend(d.lengths)
-        return out
-
-    def _group_descriptors(
-        self, source: Source, reg: RankRegistration, local_planes: list[PlaneGeometry],
-        local_shapes: tuple[BlockShape, ...], remote_planes: list[PlaneGeometry],
-        remote_shapes: tuple[BlockShape, ...], local_ids: Sequence[int], remote_ids: Sequence[int],
-    ) -> Descriptors:
-        plan, local = self.plan, self.local
-        whole_blocks = (
-            len(source.slices) == 1
-            and reg.block_size == local.block_size
-            and plan.remote_token_offset == 0
-            and remote_shapes == local_shapes
-            and all(source.slices[0] == _whole(sh, source.p_rank) for sh in local_shapes)
-        )
-        if whole_blocks:  # block for block: the merged-runs fast path (C++ when built)
-            return build_descriptors(local_planes, remote_planes, local_ids, remote_ids)
-        chunks = token_chunks(local_ids, local.block_size, remote_ids, reg.block_size, plan.remote_token_offset)
-        out = Descriptors([], [], [])
-        for s in source.slices:
-            d = build_sliced_descriptors(local_planes, local_shapes, remote_planes, remote_shapes, chunks,
-                                         s.local_head, s.remote_head, s.num_heads)
-            out.local_addrs.extend(d.local_addrs)
-            out.remote_addrs.extend(d.remote_addrs)
-            out.lengths.extend(d.lengths)
-        return out
 
     def _make_result(self) -> PullResult:
         plan = self.plan
@@ -525,7 +471,3 @@ def _plane_name(reg: RankRegistration, plane: int) -> str:
     if len(same) == 2:
         return f"layer {reg.layer_names[layer]} {'KV'[same.index(plane)]}"
     return f"layer {reg.layer_names[layer]}" if len(same) == 1 else f"layer {reg.layer_names[layer]} plane {plane}"
-
-
-def _whole(shape: BlockShape, p_rank: int) -> HeadSlice:
-    return HeadSlice(p_rank, 0, 0, shape.num_heads)

@@ -231,7 +231,7 @@ class KVP2PConfig:
     def resolved(self) -> list[tuple[str, str, str]]:
         """Every setting as (key, value as text, where it came from); the secret only as set or not."""
         origin = dict(self.sources)
-        rows = [(name, _text(getattr(self, name)), origin.get(name, "default")) for name in setting_names()]
+        rows = [(name, setting_text(getattr(self, name)), origin.get(name, "default")) for name in setting_names()]
         rows.append(("secret", "set" if self.secret else "not set", origin.get("secret", "default")))
         return rows
 
@@ -362,34 +362,13 @@ def setting_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(KVP2PConfig) if "doc" in f.metadata)
 
 
-def _text(value: Any) -> str:
+def setting_text(value: Any) -> str:
+    """A setting's value as the docs and ``describe`` show it."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:g}"
     return str(value) if value != "" else '""'
-
-
-#: Where docs/configuration.md holds the generated table.
-TABLE_BEGIN = ("<!-- settings table: generated from vllm_kvp2p/config.py by `vllm-kvp2p config-reference`; "
-               "do not edit by hand -->\n")
-TABLE_END = "<!-- end of generated settings table -->\n"
-
-
-def with_reference_table(doc: str) -> str:
-    """``doc`` (docs/configuration.md's text) with its generated table replaced by the current one."""
-    start = doc.index(TABLE_BEGIN) + len(TABLE_BEGIN)
-    return doc[:start] + reference_table() + doc[doc.index(TABLE_END, start):]
-
-
-def reference_table() -> str:
-    """The settings table of docs/configuration.md, from the fields above (a test checks the two agree)."""
-    lines = ["| key | environment | default | meaning |", "|---|---|---|---|"]
-    for f in fields(KVP2PConfig):
-        if "doc" in f.metadata:
-            default = f.metadata["shown"] or f"`{_text(f.default)}`"
-            lines.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata['doc']} |")
-    return "\n".join(lines) + "\n"
 
 
 def _load_secret(from_env: str | None, secret_file: str) -> bytes:

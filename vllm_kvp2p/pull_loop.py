@@ -56,7 +56,8 @@ from vllm_kvp2p.protocol import (
     Reply,
     Request,
 )
-from vllm_kvp2p.pull_lanes import MAX_PEERS, Lane, LaneTable
+from vllm_kvp2p.pull_lanes import Lane, LaneTable
+from vllm_kvp2p.pull_suspects import Suspects, put_recent
 from vllm_kvp2p.rank_tables import RankTables
 from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
@@ -77,13 +78,6 @@ class TimedResult:
     result: PullResult
     seconds: float  # from the plan reaching the thread to P's release being sent
     claim_seconds: float | None = None  # the round trip of the pull's first claim (whatever P answered)
-
-
-@dataclass(frozen=True)
-class _Suspect:
-    until: float  # monotonic
-    endpoint: tuple[str, int]  # where to probe: the rank that did not answer
-    rank: int
 
 
 class PullLoop:
@@ -134,11 +128,8 @@ class PullLoop:
         self.on_result = on_result
         self.pull_timeout = pull_timeout
         self.auth = auth
-        # P instances (entry host, port) one of whose ranks did not answer, until when: a plan for one first
-        # probes that rank (a short round trip) and fails at once if that gets no answer, instead of paying the
-        # full timeouts again.
-        self.suspect_time = suspect_time
-        self._suspects: OrderedDict[tuple[str, int], _Suspect] = OrderedDict()
+        # P instances one of whose ranks did not answer lately (vllm_kvp2p/pull_suspects.py).
+        self.suspects = Suspects(suspect_time)
         if auth is None:
             logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "
                            "params name within peer_ports; docs/security.md", tp_rank)
@@ -169,7 +160,7 @@ class PullLoop:
         return {
             "queued_plans": queued,
             "instances": instances,
-            "suspects": sum(s.until > time.monotonic() for s in list(self._suspects.values())),
+            "suspects": len(self.suspects),
             "registrations": len(self._registrations),
             "rank_tables": len(self.rank_tables),
             "sockets": sum(c.open_sockets for c in clients),
@@ -247,7 +238,7 @@ class PullLoop:
             plan = dataclasses.replace(plan, error=f"cannot pair layouts: {exc}", failure=Failure.INCOMPATIBLE)
             sources = (Source(self.tp_rank % max(1, plan.remote.tp_size)),)
         if sources and not plan.error:
-            plan = self._check_suspect(plan, (plan.remote.remote_host, plan.remote.remote_port), sources[0], client)
+            plan = self.suspects.check(plan, (plan.remote.remote_host, plan.remote.remote_port), client)
         if sources and not plan.error:
             plan = self.rank_tables.resolve(plan, client, self.side_channel_timeout)
         return plan, sources, self._new_pull(plan, sources)
@@ -285,13 +276,13 @@ class PullLoop:
             if isinstance(action, Finish):
                 if job.failed:
                     self._forget(plan, sources)
-                self._note_outcome(plan, instance, action.result)
+                self.suspects.note(plan, instance, action.result)
                 return action.result
             if job.failed and not failure_out:
                 failure_out = True
                 failure = job.result()
                 # Before the result is out: a plan for the same P on its other lane must already see it suspect.
-                self._note_outcome(plan, instance, failure)
+                self.suspects.note(plan, instance, failure)
                 publish(failure)
             took = time.monotonic() - started
             if took > SLOW_ACTION_S and not isinstance(action, Wait):
@@ -325,7 +316,7 @@ class PullLoop:
                                                           Registration)
                 reg = fetched.registration if fetched is not None else None
             if job.on_registration(action.source, reg, err, unauthenticated=unauthenticated) and reg is not None:
-                _put_recent(self._registrations, endpoint, reg)
+                put_recent(self._registrations, endpoint, reg)
             elif cached is not None:  # these params do not fit it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
@@ -334,7 +325,7 @@ class PullLoop:
             if (job.on_claim_reply(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
                     and reply is not None):
                 assert reply.registration is not None
-                _put_recent(self._registrations, endpoint, reply.registration)
+                put_recent(self._registrations, endpoint, reply.registration)
         elif isinstance(action, SendRenew):
             reply, err, unauthenticated = self._ask(client, *plan.p_endpoint(action.source.p_rank), action.message,
                                                     job, ClaimReply)
@@ -424,44 +415,6 @@ class PullLoop:
         except Exception as again:  # P's lease or hold timeout frees the blocks in the end
             logger.warning("release of %s after a crash not delivered: %s", plan.request_id, again)
 
-    def _check_suspect(
-        self, plan: PullPlan, instance: tuple[str, int], source: Source, client: SideChannelClient
-    ) -> PullPlan:
-        """A P one of whose ranks recently did not answer: one short round trip to that rank first (on an engine
-        over several nodes, the entry point may answer while a far rank's node is cut off). No answer: the plan
-        fails at once (and contacts it no more); an answer: it is trusted again."""
-        suspect = self._suspects.get(instance)
-        if suspect is None:
-            return plan
-        if time.monotonic() >= suspect.until:
-            self._suspects.pop(instance, None)
-            return plan
-        host, port = suspect.endpoint
-        try:
-            client.request(host, port, GetRegistration(suspect.rank), timeout=PROBE_TIMEOUT_S)
-        except Unauthenticated:
-            pass  # it answered: up (the pull says why it refused)
-        except SideChannelError as exc:
-            rank = f" (P rank {suspect.rank})" if suspect.rank else ""
-            return dataclasses.replace(
-                plan, failure=Failure.UNREACHABLE, contact_p=False,
-                error=f"P at {host}:{port}{rank} did not answer lately and does not answer a probe now: {exc}",
-            )
-        self._suspects.pop(instance, None)
-        return plan
-
-    def _note_outcome(self, plan: PullPlan, instance: tuple[str, int], result: PullResult) -> None:
-        if result.failure is Failure.UNREACHABLE:
-            # The rank that did not answer, where P's own rank table put it; without a table (one rank, or none
-            # fetched) the entry point, which answers for the engine.
-            rank = result.unreachable_rank or 0
-            if rank >= len(plan.p_endpoints):
-                rank = 0
-            until = time.monotonic() + self.suspect_time
-            _put_recent(self._suspects, instance, _Suspect(until, plan.p_endpoint(rank), rank))
-        elif result.outcome is not Outcome.FAILED:
-            self._suspects.pop(instance, None)
-
     def _forget(self, plan: PullPlan, sources: tuple[Source, ...]) -> None:
         """A failed pull drops the registrations and the rank table it used: the next pull from that P fetches and
         checks afresh."""
@@ -494,14 +447,6 @@ class PullLoop:
                          result.num_blocks, result.num_bytes)
             if result.num_blocks and self.after_pull is not None:
                 self.after_pull(plan, result)
-
-
-def _put_recent(table: OrderedDict, key: object, value: object) -> None:
-    """Store ``key`` as the most recent entry, forgetting the oldest beyond MAX_PEERS."""
-    table.pop(key, None)
-    table[key] = value
-    while len(table) > MAX_PEERS:
-        table.popitem(last=False)
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:

@@ -8,9 +8,10 @@ from collections import OrderedDict
 import pytest
 
 from tests.support.ports import free_port
-from vllm_kvp2p import pull_lanes, pull_loop, side_channel
+from vllm_kvp2p import pull_lanes, pull_suspects, side_channel
 from vllm_kvp2p.protocol import ErrorReply, GetRegistration
-from vllm_kvp2p.pull_loop import PullLoop, _put_recent
+from vllm_kvp2p.pull_loop import PullLoop
+from vllm_kvp2p.pull_suspects import put_recent
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelServer
 
 
@@ -52,12 +53,12 @@ def test_without_the_bound_the_table_grows_with_every_instance_named(monkeypatch
 
 
 def test_put_recent_refreshes_and_forgets_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pull_loop, "MAX_PEERS", 3)
+    monkeypatch.setattr(pull_suspects, "MAX_PEERS", 3)
     table: OrderedDict[str, int] = OrderedDict()
     for key in "abc":
-        _put_recent(table, key, 1)
-    _put_recent(table, "a", 2)  # refreshed: now the most recent
-    _put_recent(table, "d", 1)
+        put_recent(table, key, 1)
+    put_recent(table, "a", 2)  # refreshed: now the most recent
+    put_recent(table, "d", 1)
     assert list(table) == ["c", "a", "d"] and table["a"] == 2
 
 

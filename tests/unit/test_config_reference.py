@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_kvp2p.config import (
-    _PARSERS,
-    TABLE_BEGIN,
-    TABLE_END,
-    KVP2PConfig,
-    reference_table,
-    setting_names,
-    with_reference_table,
-)
+from vllm_kvp2p.config import _PARSERS, KVP2PConfig, setting_names
+from vllm_kvp2p.config_reference import TABLE_BEGIN, TABLE_END, reference_table, with_reference_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ref.add_argument("--write", type=Path, default=None, help="replace the generated table in this file")
     args = parser.parse_args(argv)
     if args.command == "config-reference":
-        from vllm_kvp2p.config import reference_table, with_reference_table
+        from vllm_kvp2p.config_reference import reference_table, with_reference_table
 
         if args.write is None:
             sys.stdout.write(reference_table())

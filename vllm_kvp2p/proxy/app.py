@@ -332,10 +332,13 @@ class PDProxy:
         """The prompt's blocks for routing by cached prefix (``None``: route by load; see :mod:`prompt_tokens`)."""
         if self.prompts is None:
             return None
-        # Asked of the least busy P that is up when the proxy cannot tokenize it (a skipped one would only cost
-        # the timeout).
-        url = min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
-        return await self.prompts.blocks(self.client, url, path, body, headers, self._remaining(deadline), rid)
+        return await self.prompts.blocks(self.client, self._tokenize_url, path, body, headers,
+                                         self._remaining(deadline), rid)
+
+    def _tokenize_url(self) -> str:
+        """The P to ask for a prompt's tokens: the least busy that is up (a skipped one would only cost the
+        timeout)."""
+        return min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
 
     async def _decode_json(
         self,

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.instances import InstancePool
-from vllm_kvp2p.proxy.prompt_tokens import PromptReader
+from vllm_kvp2p.proxy.prompt_tokens import reader_snapshot
 from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Upstream, describe
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
             "prefix_weight": proxy.prefill.prefix_weight,
             "kv_events": proxy.prompts is not None,
             "index_blocks": sum(len(i.cache) for pool in (proxy.prefill, proxy.decode) for i in pool.instances),
-            **(proxy.prompts.snapshot() if proxy.prompts is not None else PromptReader.idle_snapshot()),
+            **reader_snapshot(proxy.prompts),
         },
     }
     if probe:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
@@ -81,14 +82,14 @@ class PromptReader:
         self.local_tokenizer = local_tokenizer
         self.tokenized_locally = 0  # text prompts tokenized in the proxy
         self.tokenized_by_p = 0  # ... and by a P's /tokenize
-        self.failures = 0  # prompts whose tokens could not be had (routed by load only)
+        self.tokenize_failures = 0  # prompts whose tokens could not be had (routed by load only)
 
     async def blocks(
-        self, client: Upstream, tokenize_url: str, path: str, body: dict[str, Any],
+        self, client: Upstream, tokenize_url: Callable[[], str], path: str, body: dict[str, Any],
         headers: dict[str, str], remaining_s: float, rid: str,
     ) -> PromptBlocks | None:
-        """The prompt's blocks, or None (route by load). ``tokenize_url`` is the P to ask when the proxy cannot
-        tokenize the prompt itself; ``remaining_s`` what is left of the request's deadline."""
+        """The prompt's blocks, or None (route by load). ``tokenize_url`` picks the P to ask when the proxy cannot
+        tokenize the prompt itself (only then); ``remaining_s`` is what is left of the request's deadline."""
         request = tokenize_request(path, body)
         if request is None or isinstance(request, list):
             return None if request is None else PromptBlocks(request, self.hasher)
@@ -98,23 +99,23 @@ class PromptReader:
             if local is not None:
                 self.tokenized_locally += 1
                 return PromptBlocks(local, self.hasher)
-        tokens, why = await fetch_tokens(client, tokenize_url, request, headers, min(self.timeout_s, remaining_s))
+        url = tokenize_url()
+        tokens, why = await fetch_tokens(client, url, request, headers, min(self.timeout_s, remaining_s))
         if tokens is None:
-            self.failures += 1
-            logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, tokenize_url, why)
+            self.tokenize_failures += 1
+            logger.info("request %s: no tokens from %s/tokenize (%s); routed by load", rid, url, why)
             return None
         self.tokenized_by_p += 1
         return PromptBlocks(tokens, self.hasher)
 
-    @staticmethod
-    def idle_snapshot() -> dict[str, Any]:
-        """What ``/health`` shows when no prompt is read (no KV events to route by)."""
-        return {"tokenize_failures": 0, "tokenized_locally": 0, "tokenized_by_p": 0, "tokenizer": None}
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "tokenize_failures": self.failures,
-            "tokenized_locally": self.tokenized_locally,
-            "tokenized_by_p": self.tokenized_by_p,
-            "tokenizer": None if self.local_tokenizer is None else self.local_tokenizer.name,
-        }
+
+#: What :class:`PromptReader` counts, as ``/health`` shows it.
+COUNTERS = ("tokenize_failures", "tokenized_locally", "tokenized_by_p")
+
+
+def reader_snapshot(reader: PromptReader | None) -> dict[str, Any]:
+    """``/health``'s view of the prompt reader; a proxy without one (no KV events to route by) shows zeros."""
+    tokenizer = reader.local_tokenizer if reader is not None else None
+    return {**{k: getattr(reader, k) if reader is not None else 0 for k in COUNTERS},
+            "tokenizer": tokenizer.name if tokenizer is not None else None}

@@ -3,21 +3,21 @@ made before either server binds could otherwise collide, as P's HTTP port and it
 
 from __future__ import annotations
 
-from vllm_kvp2p.testing import server
-from vllm_kvp2p.testing.server import free_port, free_port_run
+from vllm_kvp2p.testing import ports
+from vllm_kvp2p.testing.ports import free_port, free_port_run
 
 
 def test_picks_never_repeat_within_a_process(monkeypatch) -> None:
     # A narrow range makes a repeat near certain without the record (300 picks from 400 ports).
-    monkeypatch.setattr(server, "_port_range", lambda: (24000, 24400))
-    monkeypatch.setattr(server, "_handed_out", set(), raising=False)
+    monkeypatch.setattr(ports, "_port_range", lambda: (24000, 24400))
+    monkeypatch.setattr(ports, "_handed_out", set(), raising=False)
     picked = [free_port() for _ in range(300)]
     assert len(set(picked)) == len(picked)
 
 
 def test_a_run_does_not_overlap_an_earlier_pick(monkeypatch) -> None:
-    monkeypatch.setattr(server, "_port_range", lambda: (24000, 24100))
-    monkeypatch.setattr(server, "_handed_out", set(), raising=False)
+    monkeypatch.setattr(ports, "_port_range", lambda: (24000, 24100))
+    monkeypatch.setattr(ports, "_handed_out", set(), raising=False)
     singles = {free_port() for _ in range(40)}
     base = free_port_run(4)
     assert singles.isdisjoint(range(base, base + 4))

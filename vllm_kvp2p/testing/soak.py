@@ -243,6 +243,10 @@ class SoakCluster:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         common = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        # vLLM's default shutdown (--shutdown-timeout 0, "abort") kills the engine core's process tree at once, so
+        # a worker can die before it logs its tables, which check_tables reads (seen once on vLLM 0.23, for the
+        # restarted P). With a few seconds, vLLM tears its workers down and the line is always there.
+        engine_args = (*engine_args, "--shutdown-timeout", "5")
         self.producers = [
             VllmServer(model, free_port(), cpus="0", log_path=log_dir / f"prefill{i}.log",
                        extra_args=(*engine_args, "--kv-transfer-config", kv_transfer_config("kv_producer")),

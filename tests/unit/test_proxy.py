@@ -1077,3 +1077,11 @@ def test_oversized_body_is_413_and_never_reaches_p(stubs: dict[str, Stub], make_
     assert r.status_code == 413 and "request body over" in r.json()["error"]["message"]
     assert stubs["P0"].received == [] and stubs["D0"].received == []
     assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT).status_code == 200
+
+
+def test_completion_routes_take_only_post(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    url = one_pd(stubs, make_proxy)
+    r = httpx.get(url + "/v1/completions", timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "only POST" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/nothing", timeout=CLIENT_TIMEOUT).status_code == 404  # the rest: FastAPI's
+    assert stubs["P0"].received == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvp2p.proxy.upstream import Answer, ProxyError, Relay
@@ -46,8 +47,12 @@ class ProxyASGI:
         self.fallback = fallback
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-            await self._completion(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
+            if scope["method"] == "POST":
+                await self._completion(scope, receive, send)
+            else:
+                error = ProxyError(405, f"{scope['method']} {scope['path']}: only POST", "invalid_request_error")
+                await send_answer(send, replace(error.to_answer(), headers={"Allow": "POST"}))
         else:
             await self.fallback(scope, receive, send)
 

@@ -65,7 +65,7 @@ STAGES = ("proxy_has_p_answer", "p_hold", "d_plan", "d_claim", "p_claim", "d_rel
           "d_known", "d_scheduled", "first_token")
 LINE = re.compile(r"^@(\d+\.\d+) (\w+) (\S+) (.*)$")
 PROXY_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: request (\S+) \S+: prefill \S+ "
-                        r"\(([\d.]+) ms\)")
+                        r"\(([\d.]+) ms[,)]")  # "(28.1 ms, 0 tokens cached)" since routing by prefix
 
 
 @dataclass

@@ -1085,3 +1085,19 @@ def test_completion_routes_take_only_post(stubs: dict[str, Stub], make_proxy: Ca
     assert r.status_code == 405 and r.headers["allow"] == "POST" and "only POST" in r.json()["error"]["message"]
     assert httpx.get(url + "/v1/nothing", timeout=CLIENT_TIMEOUT).status_code == 404  # the rest: FastAPI's
     assert stubs["P0"].received == []
+
+
+@pytest.mark.parametrize(
+    "value", [b"\xc3\xbcnic\xc3\xb8de-\xff", b"x" * 8000, b"-1", b""], ids=["non-ascii", "huge", "negative", "empty"])
+def test_hostile_request_id_and_authorization_headers(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], value: bytes
+) -> None:
+    """Whatever bytes a client puts in X-Request-Id or Authorization, the request is answered (streamed too)."""
+    url = one_pd(stubs, make_proxy)
+    headers = {"X-Request-Id": value, "Authorization": value}
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, headers=headers, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200, r.text
+    with httpx.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}, headers=headers,
+                      timeout=CLIENT_TIMEOUT) as s:
+        assert s.status_code == 200 and b"[DONE]" in s.read()
+    assert proxy_health(url)["decode"][0]["outstanding"] == 0

@@ -403,7 +403,8 @@ class PDProxy:
         )
 
     async def _relay(self, stream: UpstreamStream, url: str, rid: str) -> AsyncIterator[bytes]:
-        """Yield D's bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event."""
+        """Yield D's bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event. (The
+        stream is closed by the :class:`Relay`'s ``close``, which its sender calls however the relay ends.)"""
         tail = b""
         try:
             async for chunk in stream.chunks():
@@ -418,8 +419,6 @@ class PDProxy:
             sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
             payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
             yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"
-        finally:
-            stream.close()
 
     # -- other endpoints -------------------------------------------------------------------------------------
 

@@ -172,14 +172,12 @@ class Upstream:
 
     def __init__(self, *, read_timeout_s: float, connect_timeout_s: float, max_connections: int | None) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max_connections or 0, limit_per_host=0),
+            connector=aiohttp.TCPConnector(limit=max_connections or 0),
             # sock_read applies per read: it bounds a stalled stream without capping a long healthy one. Each
             # request's own deadline is the caller's (asyncio.timeout).
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s),
             # P/D traffic is cluster-internal: never through an HTTP(S)_PROXY from the environment.
             trust_env=False,
-            # The bytes go back as they came; a JSON body is parsed by json.loads where needed.
-            auto_decompress=True,
         )
 
     async def close(self) -> None:

@@ -1047,15 +1047,19 @@ def test_a_local_tokenizer_spares_the_tokenize_round_trip(
 
 
 @pytest.mark.parametrize(
-    "prompt",
-    [list(range(-5, 300_000)), [2**62, -(2**62)], [1, True, 2], [1, "2"], {"a": 1}, "ünïcødé ✓ " * 2000, 7, None],
-    ids=["huge", "extreme-ints", "bools", "mixed", "dict", "non-ascii", "int", "none"],
+    ("prompt", "status"),
+    [(list(range(300_000)), 200), ([2**62, 0], 200), ("ünïcødé ✓ " * 2000, 200), ({"a": 1}, 200), (7, 200),
+     (None, 200), (list(range(-5, 300_000)), 400), ([2**62, -(2**62)], 400), ([1, True, 2], 400), ([1, "2"], 400)],
+    ids=["huge", "extreme-ints", "non-ascii", "dict", "int", "none", "negative", "extreme-negative", "bools",
+         "mixed"],
 )
 def test_absurd_prompts_are_answered_and_routing_stays_bounded(
-    stubs: dict[str, Stub], make_proxy: Callable[..., str], prompt: object
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], prompt: object, status: int
 ) -> None:
     """Whatever a client puts in ``prompt``, prefix-aware routing either hashes a bounded prefix of a plain int list
-    (at most MAX_PROMPT_BLOCKS blocks) or routes by load; the request is passed on and answered."""
+    (at most MAX_PROMPT_BLOCKS blocks) or routes by load; the request is passed on and answered. Token-id lists
+    vLLM would refuse (negative ids) and ones it would read otherwise than JSON says (bools, strings) are the
+    proxy's 400 naming ``prompt``, before any P is asked (validation.py)."""
     from vllm_kvp2p.proxy.prompt_tokens import tokenize_request
 
     kind = tokenize_request("/v1/completions", {"model": "m", "prompt": prompt})
@@ -1064,7 +1068,9 @@ def test_absurd_prompts_are_answered_and_routing_stays_bounded(
     nowhere = [("tcp://127.0.0.1:9", None)]
     url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere)
     r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": prompt}, timeout=CLIENT_TIMEOUT)
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "prompt" and stubs["P0"].received == []
     assert proxy_health(url)["prefill"][0]["pending_tokens"] == 0  # released whatever was counted
 
 

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
@@ -49,6 +50,7 @@ from vllm_kvp2p.proxy.upstream import (
     upstream_failure,
     went_away,
 )
+from vllm_kvp2p.proxy.validation import Limits, check_request, lax_bool
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -62,14 +64,20 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# Fields that make no sense (or break) a 1-token, non-streaming prefill request.
-_DROP_FOR_PREFILL: tuple[str, ...] = ("stream_options", "min_tokens", "min_completion_tokens")
+# Fields that make no sense (or break) a 1-token, non-streaming prefill of one sequence: D samples the n sequences
+# (best_of is ignored by vLLM 0.32; beam search would take P off the plain prefill path). Each value P does not see
+# is checked by validation.py before P is asked, so D cannot refuse what P already holds.
+_DROP_FOR_PREFILL: tuple[str, ...] = (
+    "stream_options", "min_tokens", "min_completion_tokens", "best_of", "use_beam_search",
+)
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
-_FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
+FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
+#: How many prompts of one batched request are in flight at once (``--max-batch-concurrency``).
+DEFAULT_MAX_BATCH_CONCURRENCY = 8
 #: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 
@@ -95,9 +103,13 @@ class PDProxy:
         health_probe_timeout_s: float,
         max_connections: int | None,
         prompts: PromptReader | None = None,
+        limits: Limits | None = None,
+        max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if max_batch_concurrency < 1:
+            raise ValueError(f"max_batch_concurrency={max_batch_concurrency}: must be >= 1")
         self.prefill = prefill
         self.decode = decode
         self.timeout_s = timeout_s
@@ -106,6 +118,9 @@ class PDProxy:
         self.max_connections = max_connections
         #: Set when prefix-aware routing has KV events to route by: prompts are then tokenized and hashed.
         self.prompts = prompts
+        #: Bounds on a request's n and batch (validation.py), and how many prompts of one batch run at once.
+        self.limits = limits or Limits()
+        self.max_batch_concurrency = max_batch_concurrency
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
         self._client: Upstream | None = None
@@ -153,8 +168,9 @@ class PDProxy:
 
     @staticmethod
     def prefill_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
-        """The copy of the client's body sent to P: one token, no streaming, ``do_remote_decode``."""
+        """The copy of the client's body sent to P: one sequence of one token, no streaming, ``do_remote_decode``."""
         p_body = dict(body)
+        p_body["n"] = 1
         p_body["max_tokens"] = 1
         if chat or "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
@@ -261,10 +277,22 @@ class PDProxy:
 
     async def handle(self, raw: bytes, client_headers: Mapping[str, str], path: str) -> Answer | Relay:
         """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request: ``raw`` is its body,
-        ``client_headers`` its headers (lower-case names)."""
+        ``client_headers`` its headers (lower-case names). A batch of prompts runs as one flow per prompt
+        (:mod:`batch_flow`). Cancelling it (the client went away) drops every upstream connection it has open."""
         rid = client_headers.get("x-request-id") or str(uuid.uuid4())
         try:
-            return await self._handle(raw, client_headers, path, rid)
+            body = self._parse(raw, path)
+            headers = {"X-Request-Id": rid}
+            for name in FORWARDED_HEADERS:
+                value = client_headers.get(name)
+                if value is not None:
+                    headers[name] = value
+            prompts = None if path.endswith("chat/completions") else batch_prompts(body)
+            if prompts is not None:
+                from vllm_kvp2p.proxy.batch_flow import run_batch  # imports this module
+
+                return await run_batch(self, body, prompts, headers, path, rid)
+            return await self.run_one(body, headers, path, rid)
         except ProxyError as exc:
             logger.warning("request %s: %s", rid, exc.message)
             return exc.to_answer(rid)
@@ -272,26 +300,25 @@ class PDProxy:
             logger.info("request %s: upstream answered %d, passed through", rid, exc.answer.status)
             return exc.answer
 
-    async def _handle(self, raw: bytes, client_headers: Mapping[str, str], path: str, rid: str) -> Answer | Relay:
-        received = time.monotonic()
+    def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
         try:
             body = json.loads(raw)
         except ValueError as exc:
             raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from exc
         if not isinstance(body, dict):
             raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
+        check_request(body, chat=path.endswith("chat/completions"), limits=self.limits)
+        return body
 
-        headers = {"X-Request-Id": rid}
-        for name in _FORWARDED_HEADERS:
-            value = client_headers.get(name)
-            if value is not None:
-                headers[name] = value
+    async def run_one(self, body: dict[str, Any], headers: dict[str, str], path: str, rid: str) -> Answer | Relay:
+        """P then D for one prompt; raises :class:`ProxyError` / :class:`PassThrough` for the client's answer."""
+        received = time.monotonic()
         deadline = time.monotonic() + self.timeout_s
-        stream = bool(body.get("stream", False))
+        stream = bool(lax_bool(body.get("stream", False)))
 
         prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
-        route_ms = (t0 - received) * 1000.0  # the body, the prompt's tokens and hashes (routing happens below)
+        route_ms = (t0 - received) * 1000.0  # the prompt's tokens and hashes (routing happens below)
         p_body = self.prefill_body(body, chat=path.endswith("chat/completions"))
         p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
         prefill_ms = (time.monotonic() - t0) * 1000.0
@@ -419,22 +446,3 @@ class PDProxy:
             sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
             payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
             yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"
-
-    # -- other endpoints -------------------------------------------------------------------------------------
-
-    async def models(self, client_headers: Mapping[str, str]) -> Answer:
-        """Forward ``GET /v1/models`` to a decode instance (D serves the model the client talks to)."""
-        headers = {name: v for name in _FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
-        with self.decode.lease() as lease:
-            url = lease.url
-            try:
-                resp = await self.client.request("GET", url + "/v1/models", self.timeout_s, headers=headers)
-            except TRANSPORT_ERRORS as exc:
-                return upstream_failure("decode", url, exc, self.timeout_s).to_answer()
-        try:
-            check_status("decode", url, resp, {})
-        except ProxyError as exc:
-            return exc.to_answer()
-        except PassThrough as exc:
-            return exc.answer
-        return resp

@@ -1,12 +1,16 @@
-"""The proxy's ASGI front: the two completion routes on bare ASGI, everything else (``/health``, ``/v1/models``,
-the lifespan) handed to FastAPI.
+"""The proxy's ASGI front: its routes on bare ASGI (``/health`` and the lifespan handed to FastAPI), and an
+OpenAI-shaped error for any other path (:mod:`routes`).
 
 Every client request takes a completion route, and on cores the engines keep busy the proxy's CPU per request is
 latency: Starlette's request object and its streaming response (an anyio task group per stream) cost about 1 ms
 per request (docs/performance.md section 16), so these routes read the body, hand it to
-:meth:`PDProxy.handle <vllm_kvp2p.proxy.app.PDProxy.handle>` and send what it returns straight on ASGI. A stream
-is relayed while a second task waits for the client to go away: then the relay stops at once and
-:attr:`Relay.close <vllm_kvp2p.proxy.upstream.Relay.close>` drops D's connection (vLLM aborts the request) and
+:meth:`PDProxy.handle <vllm_kvp2p.proxy.app.PDProxy.handle>` and send what it returns straight on ASGI.
+
+A client that goes away is noticed at once, whatever the request is waiting for: while ``handle`` runs (P, then D's
+answer or the head of its stream) a second task waits for ``http.disconnect`` and then cancels it, which cancels
+the aiohttp request to P or D and closes its connection (vLLM aborts a request whose connection closes: P frees
+the prompt, D its slot), and releases the proxy's own counts. A stream is relayed the same way: when the client
+leaves the relay stops and :attr:`Relay.close <vllm_kvp2p.proxy.upstream.Relay.close>` drops D's connection and
 releases the decode slot, as it does however else the stream ends.
 """
 
@@ -18,6 +22,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvp2p.proxy.forward import FORWARDED_ROUTES, forward
+from vllm_kvp2p.proxy.routes import allowed, not_served
 from vllm_kvp2p.proxy.upstream import Answer, ProxyError, Relay
 
 if TYPE_CHECKING:
@@ -47,14 +53,22 @@ class ProxyASGI:
         self.fallback = fallback
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
-            if scope["method"] == "POST":
-                await self._completion(scope, receive, send)
-            else:
-                error = ProxyError(405, f"{scope['method']} {scope['path']}: only POST", "invalid_request_error")
-                await send_answer(send, replace(error.to_answer(), headers={"Allow": "POST"}))
+        if scope["type"] != "http":
+            await self.fallback(scope, receive, send)  # the lifespan
+            return
+        path, method = scope["path"], scope["method"]
+        if method not in allowed(path):
+            error = not_served(method, path)
+            answer = error.to_answer()
+            if error.status == 405:
+                answer = replace(answer, headers={"Allow": ", ".join(allowed(path))})
+            await send_answer(send, answer)
+        elif path in COMPLETION_PATHS:
+            await self._completion(scope, receive, send)
+        elif path in FORWARDED_ROUTES:
+            await self._forward(scope, receive, send)
         else:
-            await self.fallback(scope, receive, send)
+            await self.fallback(scope, receive, send)  # /health
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -64,13 +78,56 @@ class ProxyASGI:
         except ProxyError as exc:
             await send_answer(send, exc.to_answer())
             return
-        # ASGI header names are lower-case already; the last of repeated ones wins.
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        answer = await self.proxy.handle(body, headers, scope["path"])
+        answer = await until_disconnect(self.proxy.handle(body, _headers(scope), scope["path"]), receive)
+        if answer is None:
+            return  # the client left: everything the request held is released already
         if isinstance(answer, Answer):
             await send_answer(send, answer)
         else:
             await relay(answer, receive, send)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_body(receive)
+        except ClientGone:
+            return
+        except ProxyError as exc:
+            await send_answer(send, exc.to_answer())
+            return
+        answer = await until_disconnect(forward(self.proxy, scope["path"], body, _headers(scope)), receive)
+        if answer is not None:
+            await send_answer(send, answer)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    # ASGI header names are lower-case already; the last of repeated ones wins.
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def until_disconnect(work: Awaitable[Answer | Relay], receive: Receive) -> Answer | Relay | None:
+    """``work``'s result, or None if the client disconnects first: then ``work`` is cancelled (and awaited), so the
+    upstream request it was waiting on is cancelled and its connection closed. Call it once the body is read (the
+    only messages left to receive are disconnects)."""
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((working, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (working, watching):
+            task.cancel()
+        await asyncio.gather(working, watching, return_exceptions=True)
+    if working.cancelled():
+        return None
+    result = working.result()
+    if watching.done() and not watching.cancelled() and isinstance(result, Relay):
+        result.close()  # finished together with the disconnect: nobody will read the stream
+        return None
+    return result
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(receive: Receive, limit: int = MAX_REQUEST_BYTES) -> bytes:
@@ -114,12 +171,8 @@ async def relay(answer: Relay, receive: Receive, send: Send) -> None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def client_gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
     relaying = asyncio.ensure_future(stream())
-    watching = asyncio.ensure_future(client_gone())
+    watching = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((relaying, watching), return_when=asyncio.FIRST_COMPLETED)
     finally:

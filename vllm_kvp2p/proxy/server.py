@@ -1,5 +1,5 @@
-"""The proxy's app: its instance pools and routing settings (docs/routing.md), and the routes, each handled by
-:class:`~vllm_kvp2p.proxy.app.PDProxy` (the completion routes on bare ASGI, :mod:`asgi`; the rest on FastAPI)."""
+"""The proxy's app: its instance pools, routing settings (docs/routing.md) and request bounds, and its routes
+(docs/api.md): all on bare ASGI (:mod:`asgi`) but ``/health``, which FastAPI serves with the lifespan."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from vllm_kvp2p.proxy.app import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_PROBE_TIMEOUT_S,
+    DEFAULT_MAX_BATCH_CONCURRENCY,
     DEFAULT_TIMEOUT_S,
     PDProxy,
 )
@@ -24,7 +25,8 @@ from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader
 from vllm_kvp2p.proxy.routing import Policy
-from vllm_kvp2p.proxy.upstream import Answer, normalize_url
+from vllm_kvp2p.proxy.upstream import normalize_url
+from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N, Limits
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -47,6 +49,9 @@ def create_app(
     index_max_blocks: int = DEFAULT_MAX_BLOCKS,
     tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
     tokenizer: str | None = None,
+    max_n: int = DEFAULT_MAX_N,
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+    max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
 ) -> ProxyASGI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -62,6 +67,8 @@ def create_app(
     :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
     ``tokenizer`` (the engines' tokenizer files) lets the proxy tokenize text completion prompts itself rather
     than ask a P's ``/tokenize`` (raises :class:`~vllm_kvp2p.proxy.local_tokenizer.TokenizerSettingsError`).
+    ``max_n`` bounds a request's ``n``, ``max_batch_prompts`` the prompts of one batched completion request (400
+    past either, before any P is asked); a batch runs ``max_batch_concurrency`` prompts at once (docs/api.md).
     The :class:`PDProxy` is available as ``app.proxy``.
     """
     if not 0 <= prefix_weight <= 100:
@@ -90,6 +97,8 @@ def create_app(
         # Loaded only when prompts are hashed at all: without KV events the tokens would be unused.
         prompts=None if hasher is None else PromptReader(
             hasher, timeout_s=tokenize_timeout_s, local_tokenizer=LocalTokenizer(tokenizer) if tokenizer else None),
+        limits=Limits(max_n=max_n, max_batch_prompts=max_batch_prompts),
+        max_batch_concurrency=max_batch_concurrency,
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:
         logger.info(
@@ -111,18 +120,11 @@ def create_app(
         finally:
             await proxy.stop()
 
-    app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return to_response(await proxy.models(request.headers))
+    # No docs routes: every path but /health is answered before FastAPI (asgi.py, routes.py).
+    app = FastAPI(title="vllm-kvp2p P/D proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
     async def health(probe: bool | None = None) -> JSONResponse:
         return await health_report(proxy, probe_backends_on_health if probe is None else probe)
 
     return ProxyASGI(proxy, app)
-
-
-def to_response(answer: Answer) -> Response:
-    return Response(answer.body, answer.status, dict(answer.headers), media_type=answer.content_type)

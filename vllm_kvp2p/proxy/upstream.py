@@ -43,9 +43,10 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
-    """OpenAI-shaped error (as vLLM sends it), so OpenAI clients surface ``message`` to the user."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI-shaped error (as vLLM sends it), so OpenAI clients surface ``message`` to the user; ``param`` names
+    the request field at fault, when one is."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -88,16 +89,22 @@ class Relay:
 class ProxyError(Exception):
     """A failure that becomes exactly one HTTP answer to the client."""
 
-    def __init__(self, status: int, message: str, err_type: str) -> None:
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
+        #: The request field at fault (OpenAI's ``param``), when one is.
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped error body."""
+        return error_body(self.message, self.err_type, self.status, self.param)
 
     def to_answer(self, request_id: str | None = None) -> Answer:
         """The OpenAI-shaped JSON error answer."""
         headers = {"X-Request-Id": request_id} if request_id else None
-        return Answer.of_json(error_body(self.message, self.err_type, self.status), self.status, headers)
+        return Answer.of_json(self.body(), self.status, headers)
 
 
 class PassThrough(Exception):
@@ -212,6 +219,8 @@ class Upstream:
 
 
 def _payload(body: Any, headers: Mapping[str, str] | None) -> dict[str, Any]:
+    """``body``: None (no body), bytes (sent as they are: a forwarded request's JSON), or a JSON value."""
     if body is None:
         return {"headers": headers}
-    return {"data": json.dumps(body).encode(), "headers": {**(headers or {}), "Content-Type": "application/json"}}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return {"data": data, "headers": {**(headers or {}), "Content-Type": "application/json"}}

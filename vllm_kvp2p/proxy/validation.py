@@ -1,0 +1,194 @@
+"""What the proxy checks in a completion request before any P is asked (pure).
+
+P gets a changed copy of the request (``n``, ``max_tokens``, ``stream`` replaced; ``stream_options``, ``min_tokens``,
+``min_completion_tokens``, ``best_of``, ``use_beam_search`` dropped: :func:`~vllm_kvp2p.proxy.app.prefill_body`),
+so P never sees those values. Were one of them something D refuses, P would already hold the prompt's KV for a
+decoder that never comes (until P's hold timeout). So each value P does not see is checked here, the way vLLM 0.32
+checks it (pydantic's lax parsing: ``"3"`` and ``3.0`` are an int, ``"yes"`` a bool), and the whole request is
+refused with a 400 naming the field before anything is sent.
+
+Two checks are deliberately stricter than vLLM and bounded by the proxy's own settings: ``n`` (a JSON integer, at
+most ``--max-n``: one request may not ask for millions of sequences) and ``prompt`` on ``/v1/completions`` (a
+string, a list of token ids, or a batch of at most ``--max-batch-prompts`` of either, never mixed, never bools),
+since the proxy splits a batch into one P/D request per prompt.
+
+``best_of`` is not checked: vLLM 0.32's completion and chat requests have no such field and ignore it whatever its
+value, so D cannot refuse it; it is only not sent to P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kvp2p.proxy.upstream import ProxyError
+
+#: vLLM's own bound on ``n`` (``VLLM_MAX_N_SEQUENCES``' default in vllm/envs.py, 0.32).
+DEFAULT_MAX_N = 16384
+#: The most prompts one batched ``/v1/completions`` request may carry (``--max-batch-prompts``).
+DEFAULT_MAX_BATCH_PROMPTS = 1024
+
+# pydantic's lax str -> bool table (case-insensitive), which vLLM's request models use.
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The proxy's bounds on a request (its settings)."""
+
+    max_n: int = DEFAULT_MAX_N
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1 or self.max_batch_prompts < 1:
+            raise ValueError(f"max_n={self.max_n}, max_batch_prompts={self.max_batch_prompts}: both must be >= 1")
+
+
+def invalid(param: str, message: str) -> ProxyError:
+    """A 400 naming the request field at fault."""
+    return ProxyError(400, message, "invalid_request_error", param)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def lax_bool(value: Any) -> bool | None:
+    """``value`` as vLLM's pydantic models read a ``bool | None`` field; ``ValueError`` where they refuse it."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in _TRUE_STRINGS:
+            return True
+        if low in _FALSE_STRINGS:
+            return False
+    raise ValueError(f"not a boolean: {_shown(value)}")
+
+
+def lax_int(value: Any) -> int | None:
+    """``value`` as vLLM's pydantic models read an ``int | None`` field; ``ValueError`` where they refuse it."""
+    if value is None or isinstance(value, int):  # bool included: pydantic reads True as 1
+        return None if value is None else int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            number = float(value.strip()) if "." in value else int(value.strip())
+        except ValueError:
+            pass
+        else:
+            if float(number).is_integer():
+                return int(number)
+    raise ValueError(f"not an integer: {_shown(value)}")
+
+
+def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
+    """Raise a 400 :class:`ProxyError` (``param`` set) for the first value the proxy refuses, else nothing."""
+    check_n(body, chat=chat, limits=limits)
+    if not chat:
+        check_prompt(body.get("prompt"), limits)
+    stream = _bool_field(body, "stream")
+    _check_stream_options(body)
+    _check_token_counts(body, chat=chat)
+    _bool_field(body, "use_beam_search")
+    # vLLM's cross-field checks on the values P does not see (its "before" validators read the raw values).
+    if body.get("stream_options") and not body.get("stream"):
+        raise invalid("stream_options", "Stream options can only be defined when `stream=True`.")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream and isinstance(prompt_logprobs, (int, float)) and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        raise invalid("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+    if body.get("use_beam_search") and body.get("logprob_token_ids"):
+        raise invalid("logprob_token_ids", "`logprob_token_ids` is not supported with beam search.")
+
+
+def check_n(body: dict[str, Any], *, chat: bool, limits: Limits) -> int:
+    """The request's ``n`` (1 when absent, or null on chat, as vLLM reads it); a 400 unless ``1 <= n <= max_n``."""
+    if "n" not in body or (chat and body["n"] is None):
+        return 1
+    n = body["n"]
+    if type(n) is not int:
+        raise invalid("n", f"n must be an integer, got {_shown(n)} ({type(n).__name__})")
+    if n < 1:
+        raise invalid("n", f"n must be at least 1, got {n}")
+    if n > limits.max_n:
+        raise invalid("n", f"n must be at most {limits.max_n} (the proxy's --max-n), got {n}")
+    return n
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def check_prompt(prompt: Any, limits: Limits) -> None:
+    """A completion ``prompt``: a string, token ids, or a batch of at most ``max_batch_prompts`` strings or of
+    token-id lists (never both). Anything not a list is left to vLLM (``prompt_embeds`` may stand in for it)."""
+    if not isinstance(prompt, list):
+        return
+    if not prompt:
+        raise invalid("prompt", "prompt must not be an empty list")
+    if all(isinstance(p, str) for p in prompt):
+        kind = "strings"
+    elif all(isinstance(p, list) for p in prompt):
+        kind = "token-id lists"
+        for i, ids in enumerate(prompt):
+            if not ids or not _is_token_ids(ids):
+                raise invalid("prompt", f"prompt[{i}] must be a non-empty list of token ids (integers >= 0), "
+                                        f"got {_shown(ids)}")
+    elif _is_token_ids(prompt):
+        return  # one prompt's token ids
+    else:
+        raise invalid("prompt", "prompt must be a string, a list of token ids (integers >= 0), or a list of "
+                                f"strings or of token-id lists, not mixed: got {_shown(prompt)}")
+    if len(prompt) > limits.max_batch_prompts:
+        raise invalid("prompt", f"prompt holds {len(prompt)} {kind}: the proxy takes at most "
+                                f"{limits.max_batch_prompts} per request (--max-batch-prompts)")
+
+
+def _bool_field(body: dict[str, Any], name: str, where: dict[str, Any] | None = None,
+                param: str | None = None) -> bool:
+    try:
+        return bool(lax_bool((body if where is None else where).get(name)))
+    except ValueError as exc:
+        raise invalid(param or name, f"{param or name} must be a boolean: {exc}") from exc
+
+
+def _check_stream_options(body: dict[str, Any]) -> None:
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise invalid("stream_options", f"stream_options must be an object, got {_shown(options)}")
+    for key in ("include_usage", "continuous_usage_stats"):
+        _bool_field(body, key, options, f"stream_options.{key}")
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    try:
+        value = lax_int(body.get(name))
+    except ValueError as exc:
+        raise invalid(name, f"{name} must be an integer: {exc}") from exc
+    if value is not None and value < minimum:
+        raise invalid(name, f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
+    """``max_tokens`` / ``max_completion_tokens`` (replaced for P) and ``min_tokens`` / ``min_completion_tokens``
+    (dropped for P): integers, not negative, the minimum within the maximum (vLLM's SamplingParams check, with the
+    completion route's default of 16 when no maximum is given)."""
+    max_tokens = _int_field(body, "max_tokens", 0)
+    max_completion = _int_field(body, "max_completion_tokens", 0)
+    _int_field(body, "min_completion_tokens", 0)  # not a vLLM 0.32 field (ignored there), still an integer
+    if body.get("min_tokens") is None and "min_tokens" in body:
+        raise invalid("min_tokens", "min_tokens must be an integer, got None")
+    min_tokens = _int_field(body, "min_tokens", 0) or 0
+    limit = (max_completion if max_completion is not None else max_tokens) if chat else (
+        16 if "max_tokens" not in body else max_tokens)
+    if limit is not None and min_tokens > limit:
+        name = "max_completion_tokens" if chat and max_completion is not None else "max_tokens"
+        raise invalid("min_tokens", f"min_tokens must be less than or equal to {name}={limit}, got {min_tokens}")

@@ -183,14 +183,42 @@ def stub_json_bytes(name: str, body: dict[str, Any], role: str) -> bytes:
         }
     else:
         kv = {"kvp2p_stats": {"decoded_by": name, "bytes": 4096}}
+    n = body.get("n") if type(body.get("n")) is int else 1
+    # Each choice echoes the prompt it answers, so merged batch answers show which part each came from.
+    choices = [{"index": k, "text": f"{name} answer", "finish_reason": "length", "echo": body.get("prompt")}
+               for k in range(n)]
+    max_tokens = body.get("max_tokens")
     payload = {
         "id": "cmpl-stub",
         "object": "text_completion",
-        "choices": [{"index": 0, "text": f"{name} answer", "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": body.get("max_tokens")},
+        "choices": choices,
+        "usage": {"prompt_tokens": 5, "total_tokens": 5 + (max_tokens if type(max_tokens) is int else 0) * n,
+                  "completion_tokens": max_tokens, "prompt_tokens_details": {"cached_tokens": 1}},
         "kv_transfer_params": kv,
     }
     return json.dumps(payload, indent=1, sort_keys=False).encode()
+
+
+async def openai_stream(name: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A stream as vLLM sends one prompt's: two chunks per choice (n of them), each choice's usage with
+    continuous_usage_stats, a usage-only chunk when include_usage is asked, then [DONE]."""
+    n = body.get("n") or 1
+    options = body.get("stream_options") or {}
+    prompt = body.get("prompt")
+    for step in range(2):
+        for k in range(n):
+            chunk: dict[str, Any] = {"id": f"cmpl-{name}-{prompt}", "object": "text_completion", "created": 7,
+                                     "model": "m", "choices": [{"index": k, "text": f"{prompt}/{k}/{step} "}]}
+            if options.get("continuous_usage_stats"):
+                chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": step + 1, "total_tokens": 6 + step}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0.01)
+    if options.get("include_usage"):
+        usage = {"prompt_tokens": 5, "total_tokens": 5 + 2 * n, "completion_tokens": 2 * n}
+        final = {"id": f"cmpl-{name}-{prompt}", "object": "text_completion", "created": 7, "model": "m",
+                 "choices": [], "usage": usage}
+        yield f"data: {json.dumps(final)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
 
 
 @dataclass
@@ -205,6 +233,13 @@ class Stub:
     server: ServerThread | None = None
     #: Streams that ended before their last event (their reader went away).
     streams_cut: int = 0
+    #: Requests whose client (the proxy) went away while the stub was still working on them (delay_s, "hang"), as
+    #: vLLM aborts a request whose connection closes.
+    cancelled: int = 0
+    #: A mode per prompt (a request's ``prompt`` as text), over ``mode``: one part of a batch can fail alone.
+    by_prompt: dict[str, str] = field(default_factory=dict)
+    #: Whether it serves /tokenize and /detokenize (off: the prefix-routing tests need a P without them).
+    serves_tokenize: bool = False
 
     @property
     def url(self) -> str:
@@ -216,26 +251,43 @@ class Stub:
         self.delay_s = 0.0
         self.received.clear()
         self.streams_cut = 0
+        self.cancelled = 0
+        self.by_prompt.clear()
+        self.serves_tokenize = False
 
 
 def make_stub_app(stub: Stub) -> FastAPI:
     """An OpenAI-style server whose answers and failures are driven by ``stub``."""
     app = FastAPI()
 
+    async def working(request: Request, seconds: float) -> bool:
+        """Sleep ``seconds`` unless the client goes away first (then count it and say so)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                stub.cancelled += 1
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def generate(request: Request) -> Response:
         body = await request.json()
         stub.received.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
-        if stub.delay_s:
-            await asyncio.sleep(stub.delay_s)
-        mode = stub.mode
+        mode = stub.by_prompt.get(str(body.get("prompt")), stub.mode)
+        if mode == "slow":
+            mode = "ok"
+            if not await working(request, 4.0):
+                return Response(status_code=499)
+        if stub.delay_s and not await working(request, stub.delay_s):
+            return Response(status_code=499)
         if mode == "500":
             return JSONResponse({"error": {"message": "engine dead", "type": "InternalServerError"}}, 500)
         if mode == "400":
             return JSONResponse(
                 {"error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}}, 400
             )
-        if mode == "hang":
-            await asyncio.sleep(4.0)
+        if mode == "hang" and not await working(request, 4.0):
+            return Response(status_code=499)
         if mode == "no_kv":
             return JSONResponse({"id": "x", "choices": [{"text": "!"}], "kv_transfer_params": None})
         if body.get("stream"):
@@ -270,6 +322,9 @@ def make_stub_app(stub: Stub) -> FastAPI:
 
                 return StreamingResponse(slow(), media_type="text/event-stream")
 
+            if mode == "openai_stream":
+                return StreamingResponse(openai_stream(stub.name, body), media_type="text/event-stream")
+
             async def fast() -> AsyncIterator[bytes]:
                 for ev in sse_events(stub.name):
                     yield ev
@@ -284,6 +339,18 @@ def make_stub_app(stub: Stub) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    async def tokenize(request: Request) -> Response:
+        if not stub.serves_tokenize:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        body = await request.json()
+        stub.received.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        if request.url.path == "/tokenize":
+            return JSONResponse({"tokens": [1, 2, 3], "count": 3, "max_model_len": 64, "by": stub.name})
+        return JSONResponse({"prompt": f"text of {body.get('tokens')}", "by": stub.name})
+
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(tokenize)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

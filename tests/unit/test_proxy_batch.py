@@ -21,7 +21,14 @@ from vllm_kvp2p.proxy.batch import (
 )
 from vllm_kvp2p.proxy.routes import SERVED, not_served
 from vllm_kvp2p.proxy.upstream import ProxyError
-from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N, Limits, check_request, lax_bool, lax_int
+from vllm_kvp2p.proxy.validation import (
+    DEFAULT_MAX_BATCH_PROMPTS,
+    DEFAULT_MAX_N,
+    Limits,
+    check_request,
+    lax_bool,
+    lax_int,
+)
 
 LIMITS = Limits()
 

@@ -280,3 +280,18 @@ def test_other_paths_are_404_listing_routes() -> None:
     for path, method in SERVED.items():
         assert f"{method} {path}" in err.message
     assert not_served("GET", "/tokenize").status == 405
+
+
+def test_cli_request_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvp2p.proxy.cli import build_parser, main
+
+    parser = build_parser()
+    args = parser.parse_args(["--prefill", "p:1", "--decode", "d:1"])
+    assert (args.max_n, args.max_batch_prompts, args.max_batch_concurrency) == (16384, 1024, 8)
+    args = parser.parse_args(["--prefill", "p:1", "--decode", "d:1", "--max-n", "4", "--max-batch-prompts", "9",
+                              "--max-batch-concurrency", "2"])
+    assert (args.max_n, args.max_batch_prompts, args.max_batch_concurrency) == (4, 9, 2)
+    for flag in ("--max-n", "--max-batch-prompts", "--max-batch-concurrency"):
+        with pytest.raises(SystemExit):
+            main(["--prefill", "p:1", "--decode", "d:1", flag, "0"])
+        assert f"{flag} must be at least 1" in capsys.readouterr().err

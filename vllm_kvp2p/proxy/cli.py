@@ -11,12 +11,13 @@ import logging
 import os
 from collections.abc import Sequence
 
-from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
+from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_BATCH_CONCURRENCY, DEFAULT_TIMEOUT_S
 from vllm_kvp2p.proxy.block_hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashSettingsError
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.server import create_app
+from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -102,6 +103,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM, wait at most this long for open streams (default: %(default)s)",
+    )
+    requests = p.add_argument_group("requests (docs/api.md)")
+    requests.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        metavar="N",
+        help="the largest n a request may ask for; past it a 400 before any P is asked (default: %(default)s, "
+        "vLLM's own VLLM_MAX_N_SEQUENCES)",
+    )
+    requests.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        default=DEFAULT_MAX_BATCH_PROMPTS,
+        metavar="N",
+        help="the most prompts one /v1/completions request may list; past it a 400 (default: %(default)s)",
+    )
+    requests.add_argument(
+        "--max-batch-concurrency",
+        type=int,
+        default=DEFAULT_MAX_BATCH_CONCURRENCY,
+        metavar="N",
+        help="how many prompts of one batched request run their prefill/decode at once; the rest wait their turn "
+        "(default: %(default)s)",
     )
     routing = p.add_argument_group("routing (docs/routing.md)")
     routing.add_argument(
@@ -234,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tokenize_timeout <= 0:
         parser.error("--tokenize-timeout must be positive")
+    for flag in ("max_n", "max_batch_prompts", "max_batch_concurrency"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
         app = create_app(
             prefill,
@@ -250,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             index_max_blocks=args.kv_index_max_blocks,
             tokenize_timeout_s=args.tokenize_timeout,
             tokenizer=args.tokenizer,
+            max_n=args.max_n,
+            max_batch_prompts=args.max_batch_prompts,
+            max_batch_concurrency=args.max_batch_concurrency,
         )
     except (ValueError, HashSettingsError) as exc:
         parser.error(str(exc))

@@ -120,7 +120,8 @@ def test_good_or_vllms_prompts_pass(prompt: object) -> None:
      ({"max_tokens": -1}, "max_tokens"),
      ({"use_beam_search": "perhaps"}, "use_beam_search"),
      ({"use_beam_search": True, "logprob_token_ids": [1]}, "logprob_token_ids"),
-     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs")],
+     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+     ({"prompt_embeds": ["e1", "e2"]}, "prompt_embeds")],
 )
 def test_fields_p_does_not_see_are_checked(body: dict[str, Any], param: str) -> None:
     """Each value P does not get (dropped or replaced for the prefill) is refused here when D would refuse it."""

@@ -7,10 +7,11 @@ decoder that never comes (until P's hold timeout). So each value P does not see 
 checks it (pydantic's lax parsing: ``"3"`` and ``3.0`` are an int, ``"yes"`` a bool), and the whole request is
 refused with a 400 naming the field before anything is sent.
 
-Two checks are deliberately stricter than vLLM and bounded by the proxy's own settings: ``n`` (a JSON integer, at
+Some checks are deliberately stricter than vLLM and bounded by the proxy's own settings: ``n`` (a JSON integer, at
 most ``--max-n``: one request may not ask for millions of sequences) and ``prompt`` on ``/v1/completions`` (a
 string, a list of token ids, or a batch of at most ``--max-batch-prompts`` of either, never mixed, never bools),
-since the proxy splits a batch into one P/D request per prompt.
+since the proxy splits a batch into one P/D request per prompt; and a list of several ``prompt_embeds``, which it
+does not split (P would prefill them as one batch and answer for one prompt only).
 
 ``best_of`` is not checked: vLLM 0.32's completion and chat requests have no such field and ignore it whatever its
 value, so D cannot refuse it; it is only not sent to P.
@@ -92,6 +93,11 @@ def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
     check_n(body, chat=chat, limits=limits)
     if not chat:
         check_prompt(body.get("prompt"), limits)
+        embeds = body.get("prompt_embeds")
+        if isinstance(embeds, list) and len(embeds) > 1:
+            # vLLM would prefill them as one batch on P and answer one prompt's kv_transfer_params: not split here.
+            raise invalid("prompt_embeds", "the P/D proxy takes one prompt's embeddings per request, not a list of "
+                                           f"{len(embeds)}: send one request per prompt")
     stream = _bool_field(body, "stream")
     _check_stream_options(body)
     _check_token_counts(body, chat=chat)

@@ -34,6 +34,7 @@ from vllm_kvp2p.kv_groups import (
 from vllm_kvp2p.lifecycle.admission import Admitted, Prompt
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
@@ -154,6 +155,7 @@ class SchedulerSide:
             authenticate=self._authenticate if self.auth is not None else None,
         )
         self._holds: list[HoldOrder] = []
+        self._siblings = SiblingOffers()  # P: the children of an n > 1 request offer one hold
         self._reports: dict[str, PullReport] = {}
         # Idle steps sleep until a worker of this engine has news (vllm_kvp2p/step_wakeup.py).
         self._idle = StepWaiter(engine_id, data_parallel_index(parallel))
@@ -212,7 +214,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ D: admission
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.is_consumer:
             return 0, False
         try:
@@ -294,10 +296,14 @@ class SchedulerSide:
         if not any(block_ids):
             return False, None
         num_tokens = request.num_computed_tokens
+        digest = request_digest(request, num_tokens)
+        shared = self._siblings.shared(request.request_id, num_tokens, digest)
+        if shared is not None:
+            # A child of an n > 1 request whose sibling holds the same KV: answer with that hold, free these blocks.
+            return False, shared
         # Each transfer group cut to what a decoder needs (sliding windows: the tail), ending at the last block.
         offered = [needed_tail(g, block_ids[gid], num_tokens) for g, gid in zip(self.groups, self.group_ids)]
         hold_id = uuid.uuid4().hex
-        self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids)))
         remote = RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -310,11 +316,15 @@ class SchedulerSide:
             tp_size=self.tp_size,
             pp_size=self.pp_size,
             remote_incarnation=self.incarnation,
-            remote_prompt_digest=request_digest(request, num_tokens),
+            remote_prompt_digest=digest,
         )
         if self.auth is not None:
             remote = self.auth.sign_params(remote, _now_ms() + int(self.config.hold_timeout * 1000))
-        return True, remote.to_params()
+        params = remote.to_params()
+        # Queued last: if anything above raised, no hold order is left without params (vLLM frees the blocks).
+        self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids)))
+        self._siblings.remember(request.request_id, num_tokens, digest, params)
+        return True, params
 
     def _authenticate(self, remote: RemotePrefill) -> str:
         assert self.auth is not None
@@ -327,6 +337,8 @@ class SchedulerSide:
             for new in scheduler_output.scheduled_new_reqs:  # follow a request: its first step after the pull
                 if self.consumer.is_planned(new.req_id):
                     logger.debug("scheduled %s with its pulled KV", new.req_id)
+        if self.is_consumer:  # a reader's pulled blocks are D's prefix cache once it runs: its followers may go
+            self.consumer.on_scheduled(new.req_id for new in scheduler_output.scheduled_new_reqs)
         holds, self._holds = self._holds, []
         pulls = self.consumer.take_plans()
         if (scheduler_output.total_num_scheduled_tokens == 0 and not holds and not pulls

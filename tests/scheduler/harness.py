@@ -393,6 +393,7 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert side._reports == {}
     assert side.consumer._planned == set()
     assert side.consumer._pending == []
+    assert len(side.consumer.shared) == 0  # no hold still in use by a request that left
 
 
 class Spy:

@@ -608,7 +608,8 @@ def test_d_blocks_being_loaded_are_never_prefix_hits():
     prompt = tokens(40)
     sched.add_request(make_request("d1", prompt, max_tokens=2, kv_transfer_params=remote_params(40)))
     sched.add_request(make_request("d2", prompt, max_tokens=2,
-                                   kv_transfer_params=remote_params(40, first_block=300, request_id="p-req-2")))
+                                   kv_transfer_params=remote_params(40, first_block=300, request_id="p-req-2",
+                                                                     hold_id="hold-2")))
     st = step(sched)
     plans = {p.request_id: p for p in st.meta.pulls}
     assert set(plans) == {"d1", "d2"}

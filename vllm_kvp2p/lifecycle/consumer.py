@@ -8,6 +8,9 @@ vLLM allocated. ``matched_tokens`` is pure (vLLM may ask many times); ``on_alloc
 only places a plan is made, and each request gets exactly one, whatever the order and number of calls. The worker
 half, :mod:`vllm_kvp2p.lifecycle.pull`, carries a plan out.
 
+Requests that name one hold (vLLM's ``n > 1`` children) share what its one pull brings: which of them reads it and
+which wait is :mod:`vllm_kvp2p.lifecycle.shared_holds`'s, asked here.
+
 The completion rule lives in one place, :attr:`PullPlan.awaiting`: vLLM parked the request in
 ``WAITING_FOR_REMOTE_KVS`` only when it asked for external tokens, and only then may the worker report the
 receive finished (reporting it for a RUNNING request kills vLLM's scheduler). P is released in every outcome.
@@ -16,13 +19,14 @@ receive finished (reporting it for a RUNNING request kills vLLM's scheduler). P 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.admission import UNPARSED, Admitted, Decoder, Prompt, Refused, Verdict, judge
 from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.shared_holds import Role, SharedHolds
 from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
 
 __all__ = ["ConsumerSchedule", "Failure", "PullPlan", "TEST_CORRUPT_KEY"]
@@ -98,6 +102,8 @@ class ConsumerSchedule:
         self._checked: dict[str, tuple[Any, int, Verdict]] = {}
         # Requests whose admission failed inside the connector (a bug): their plan fails, P is not contacted.
         self._failed: dict[str, Refused] = {}
+        # Which request reads each hold and which wait for it (vLLM's n > 1 children share one hold).
+        self.shared = SharedHolds()
 
     @property
     def holdback(self) -> int:
@@ -126,10 +132,12 @@ class ConsumerSchedule:
 
     def matched_tokens(
         self, request_id: str, params: Any, prompt: Prompt, num_local_computed: int
-    ) -> tuple[int, bool]:
-        """Tokens D can load from P beyond its local prefix-cache hit. No side effect but keeping the verdict for
-        :meth:`on_alloc` in this scheduler pass. Refused params still ask for the prompt, so that the failed plan
-        made for them ends the request the way vLLM's ``kv_load_failure_policy`` says (recompute, or an error)."""
+    ) -> tuple[int | None, bool]:
+        """Tokens D can load from P beyond its local prefix-cache hit; ``None``: not yet (a follower of a hold
+        whose pull is in flight; vLLM asks again next step). No side effect but keeping the verdict for
+        :meth:`on_alloc` in this scheduler pass and noting a follower (idempotent). Refused params still ask for
+        the prompt, so that the failed plan made for them ends the request the way vLLM's
+        ``kv_load_failure_policy`` says (recompute, or an error)."""
         if request_id in self._planned:
             return 0, False
         verdict = self.verdict(request_id, params, prompt)
@@ -138,6 +146,12 @@ class ConsumerSchedule:
         if isinstance(verdict, Refused):
             count = prompt.num_tokens - 1 - num_local_computed
             return (count, True) if count > 0 else (0, False)
+        role = self.shared.role(request_id, verdict.remote)
+        if role is not Role.READER:
+            self.shared.on_followed(request_id, verdict.remote)  # its end must not release the reader's hold
+            # WAIT: not admitted this step; FOLLOW: the reader's blocks are in D's prefix cache, vLLM computes the
+            # rest.
+            return (None, False) if role is Role.WAIT else (0, False)
         count = verdict.load_end - num_local_computed
         if count <= 0:
             return 0, False
@@ -167,6 +181,9 @@ class ConsumerSchedule:
         self._checked.pop(request_id, None)
         self._failed.pop(request_id, None)
         local = tuple(tuple(g) for g in unhashed_block_ids)
+        if isinstance(verdict, Admitted) and self.shared.role(request_id, verdict.remote) is not Role.READER:
+            self.shared.on_followed(request_id, verdict.remote)  # no plan: the hold is another request's to read
+            return None
         if isinstance(verdict, Refused):
             # Nothing is read; P is still released if that is safe (it may hold the blocks).
             plan = PullPlan(request_id, verdict.remote, local, (), awaiting=num_external_tokens > 0,
@@ -183,6 +200,8 @@ class ConsumerSchedule:
         # Only now: if making the plan raised, the hook's guard asks again and gets the failed plan.
         self._planned.add(request_id)
         self._pending.append(plan)
+        if isinstance(verdict, Admitted):
+            self.shared.on_planned(request_id, verdict.remote)
         return plan
 
     def on_finished(self, request_id: str, params: Any, prompt: Prompt) -> PullPlan | None:
@@ -190,18 +209,29 @@ class ConsumerSchedule:
         admission) still releases P now instead of at P's hold timeout, when that is safe."""
         if request_id in self._planned:
             self._planned.discard(request_id)
+            self.shared.on_finished(request_id, None)
             return None
         verdict = self.verdict(request_id, params, prompt)
         self._checked.pop(request_id, None)
         self._failed.pop(request_id, None)
         if verdict is None or (isinstance(verdict, Refused) and not verdict.contact_p):
             return None  # no side channel to release (or none proven to be P's): contact no one
+        if isinstance(verdict, Admitted) and self.shared.is_follower(request_id, verdict.remote):
+            self.shared.on_finished(request_id, verdict.remote)
+            return None  # the hold is the reader's: its pull releases P
         plan = PullPlan(request_id, verdict.remote, (), (), awaiting=False)
         self._pending.append(plan)
         return plan
 
     def is_planned(self, request_id: str) -> bool:
         return request_id in self._planned
+
+    def on_scheduled(self, request_ids: Iterable[str]) -> None:
+        """vLLM scheduled these requests for the first time: a reader among them has its pulled blocks in D's
+        prefix cache now, so the requests that follow it may be admitted."""
+        if len(self.shared):
+            for request_id in request_ids:
+                self.shared.on_scheduled(request_id)
 
     def take_plans(self) -> list[PullPlan]:
         """The plans made since the last call; once per scheduler step (it also ends the step's verdicts)."""

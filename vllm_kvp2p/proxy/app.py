@@ -17,6 +17,9 @@ P's hold timeout frees), so a P that died or restarted costs the client nothing.
 slow P would get the same work twice), nor HTTP answers (a 4xx/5xx comes from a live P); the retry gets only
 what is left of the request's deadline. Retries are logged and counted in /health (``prefill_retries``).
 
+Before any P is asked the request is checked (validation.py: what P will not see must be what D accepts); a
+batch of prompts runs as one such flow per prompt (batch_flow.py). docs/api.md has the whole contract.
+
 Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-only box.
 """
 
@@ -31,6 +34,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from vllm_kvp2p.proxy.batch import batch_prompts
+from vllm_kvp2p.proxy.batch_flow import run_batch
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
@@ -289,8 +293,6 @@ class PDProxy:
                     headers[name] = value
             prompts = None if path.endswith("chat/completions") else batch_prompts(body)
             if prompts is not None:
-                from vllm_kvp2p.proxy.batch_flow import run_batch  # imports this module
-
                 return await run_batch(self, body, prompts, headers, path, rid)
             return await self.run_one(body, headers, path, rid)
         except ProxyError as exc:

@@ -147,6 +147,17 @@ def test_what_vllm_accepts_passes(body: dict[str, Any]) -> None:
     check_request({"prompt": "p", **body}, chat=False, limits=LIMITS)
 
 
+def test_n_with_greedy_sampling_is_refused_as_vllm_does() -> None:
+    """P, asked for one sequence, would accept n > 1 at temperature 0; D refuses it: so the proxy does."""
+    for temperature in (0, 0.0, "0", 1e-6):
+        err = refused({"prompt": "p", "n": 3, "temperature": temperature})
+        assert err.param == "n" and err.message == "n must be 1 when using greedy sampling, got 3."
+    for body in ({"n": 3}, {"n": 3, "temperature": 0.7}, {"n": 1, "temperature": 0}, {"n": 3, "temperature": "x"},
+                 {"n": 3, "temperature": 0, "use_beam_search": True}):
+        check_request({"prompt": "p", **body}, chat=False, limits=LIMITS)
+    assert refused({"messages": [], "n": 2, "temperature": 0}, chat=True).param == "n"
+
+
 def test_chat_token_limits() -> None:
     check_request({"messages": [], "min_tokens": 40}, chat=True, limits=LIMITS)  # no default maximum on chat
     err = refused({"messages": [], "min_tokens": 40, "max_completion_tokens": 30}, chat=True)

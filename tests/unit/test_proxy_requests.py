@@ -66,7 +66,7 @@ def data_of(event: bytes) -> Any:
 
 def test_p_gets_one_sequence_d_the_clients_n(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
     url = one_pd(stubs, make_proxy)
-    body = {**COMPLETION, "n": 3, "best_of": 5, "use_beam_search": False}
+    body = {**COMPLETION, "n": 3, "temperature": 0.7, "best_of": 5, "use_beam_search": False}
     r = httpx.post(url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200, r.text
     pb, db = stubs["P0"].received[0]["body"], stubs["D0"].received[0]["body"]
@@ -99,7 +99,7 @@ def test_max_n_and_batch_settings(stubs: dict[str, Stub], make_proxy: Callable[.
 
 def test_batch_non_stream_merged_like_one_instance(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
     url = make_proxy([stubs["P0"].url, stubs["P1"].url], [stubs["D0"].url, stubs["D1"].url])
-    body = {**COMPLETION, "prompt": ["a", "b", "c"], "n": 2}
+    body = {**COMPLETION, "prompt": ["a", "b", "c"], "n": 2, "temperature": 0.7}
     r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "batch-1"}, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -140,7 +140,8 @@ def test_batch_stream_merged_like_one_instance(
     for d in ("D0", "D1"):
         stubs[d].mode = "openai_stream"
     options = {"include_usage": True, "continuous_usage_stats": continuous}
-    body = {**COMPLETION, "prompt": ["a", "b", "c"], "n": 2, "stream": True, "stream_options": options}
+    body = {**COMPLETION, "prompt": ["a", "b", "c"], "n": 2, "temperature": 0.7, "stream": True,
+            "stream_options": options}
     r = httpx.post(url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [data_of(e) for e in events_of(r.content)]
@@ -295,3 +296,11 @@ def test_unknown_paths_are_404_listing_the_routes(
     assert_openai_error(r, 405, "only POST")
     assert r.headers["allow"] == "POST"
     assert httpx.get(url + "/health", timeout=CLIENT_TIMEOUT).status_code == 200
+
+
+def test_n_with_greedy_sampling_never_reaches_p(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
+    """vLLM refuses n > 1 at temperature 0 on D; P, asked for n=1, would have held the prompt for nobody."""
+    url = one_pd(stubs, make_proxy)
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "n": 3, "temperature": 0}, timeout=CLIENT_TIMEOUT)
+    assert_openai_error(r, 400, "n must be 1 when using greedy sampling, got 3.")
+    assert r.json()["error"]["param"] == "n" and stubs["P0"].received == []

@@ -29,6 +29,8 @@ DEFAULT_MAX_N = 16384
 #: The most prompts one batched ``/v1/completions`` request may carry (``--max-batch-prompts``).
 DEFAULT_MAX_BATCH_PROMPTS = 1024
 
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
+_GREEDY_TEMPERATURE = 1e-5
 # pydantic's lax str -> bool table (case-insensitive), which vLLM's request models use.
 _TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
@@ -89,8 +91,12 @@ def lax_int(value: Any) -> int | None:
 
 
 def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
-    """Raise a 400 :class:`ProxyError` (``param`` set) for the first value the proxy refuses, else nothing."""
-    check_n(body, chat=chat, limits=limits)
+    """Raise a 400 :class:`ProxyError` (``param`` set) for the first value the proxy refuses, else nothing.
+
+    Where vLLM refuses the same value its message is vLLM's, word for word (a client sees the same error through
+    the proxy as from one instance), the proxy's own bound added after it."""
+    n = check_n(body, chat=chat, limits=limits)
+    _check_greedy(body, n)
     if not chat:
         check_prompt(body.get("prompt"), limits)
         embeds = body.get("prompt_embeds")
@@ -120,10 +126,24 @@ def check_n(body: dict[str, Any], *, chat: bool, limits: Limits) -> int:
     if type(n) is not int:
         raise invalid("n", f"n must be an integer, got {_shown(n)} ({type(n).__name__})")
     if n < 1:
-        raise invalid("n", f"n must be at least 1, got {n}")
+        raise invalid("n", f"n must be at least 1, got {n}.")
     if n > limits.max_n:
-        raise invalid("n", f"n must be at most {limits.max_n} (the proxy's --max-n), got {n}")
+        raise invalid("n", f"n must be at most {limits.max_n}, got {n}. (The proxy's --max-n.)")
     return n
+
+
+def _check_greedy(body: dict[str, Any], n: int) -> None:
+    """vLLM refuses n > 1 with greedy sampling (an explicit temperature below 1e-5; beam search aside); P, asked for
+    one sequence, would not. An absent temperature is the model's default, which the proxy cannot see."""
+    if n == 1 or body.get("use_beam_search"):
+        return
+    temperature = body.get("temperature")
+    try:
+        value = None if isinstance(temperature, bool) or temperature is None else float(temperature)
+    except (TypeError, ValueError):
+        return  # P refuses it itself (temperature is sent to P as it is)
+    if value is not None and value < _GREEDY_TEMPERATURE:
+        raise invalid("n", f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -179,7 +199,7 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     except ValueError as exc:
         raise invalid(name, f"{name} must be an integer: {exc}") from exc
     if value is not None and value < minimum:
-        raise invalid(name, f"{name} must be at least {minimum}, got {value}")
+        raise invalid(name, f"{name} must be greater than or equal to {minimum}, got {value}.")
     return value
 
 
@@ -197,4 +217,4 @@ def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
         16 if "max_tokens" not in body else max_tokens)
     if limit is not None and min_tokens > limit:
         name = "max_completion_tokens" if chat and max_completion is not None else "max_tokens"
-        raise invalid("min_tokens", f"min_tokens must be less than or equal to {name}={limit}, got {min_tokens}")
+        raise invalid("min_tokens", f"min_tokens must be less than or equal to {name}={limit}, got {min_tokens}.")

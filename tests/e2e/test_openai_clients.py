@@ -254,6 +254,8 @@ def test_a_client_that_leaves_while_p_prefills_leaves_no_hold(cluster: Cluster) 
         time.sleep(1.0)  # the proxy notices, drops P's connection, P's API server aborts
     finally:
         core.send_signal(signal.SIGCONT)
+    # Time for what would follow if P's request had survived: its prefill, a hold, D's pull (~0.2 s here).
+    time.sleep(2.0)
     assert wait_kv_idle(cluster.prefill, timeout=10) == 0.0
     wait_for(lambda: present(cluster.prefill, "vllm:num_requests_running"), 0.0, timeout=10)
     moved = {k: v - before[k] for k, v in holds(cluster.prefill).items()}

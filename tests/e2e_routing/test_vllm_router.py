@@ -11,6 +11,7 @@ docs/routing.md says so; this test keeps that statement true for the pinned rele
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -25,10 +26,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logprob_gap, prompt_ids
+from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logprob_gap, prompt_ids, wait_kv_idle
 from tests.e2e_routing.conftest import RoutingCluster
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
-from vllm_kvp2p.testing.server import free_port
+from vllm_kvp2p.testing.server import VllmServer, free_port
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,48 @@ def test_kv_aware_router_drives_this_connector_but_rejects_its_block_size(
 
 def plain_text(log: Path) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))
+
+
+def _hold_counts(server: VllmServer) -> dict[str, float]:
+    metrics = server.metrics()
+    counts = {}
+    for kind in ("created", "released", "expired"):
+        name = f"vllm:kvp2p_holds_{kind}_total"
+        found = [v for k, v in metrics.items() if k.partition("{")[0] == name]
+        assert found, f"{name} missing from {server.url}/metrics"
+        counts[kind] = sum(found)
+    return counts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_n3_behind_vllm_router_equals_one_instance_with_one_hold(
+    routing_cluster: RoutingCluster, kv_aware_router: tuple[str, Path], stream: bool
+) -> None:
+    """vllm-router forwards the client's n to P: vLLM fans P's request out into n children that offer one hold
+    (vllm_kvp2p/lifecycle/sibling_offers.py), and D's n children share its one pull (lifecycle/shared_holds.py).
+    Before issue 36: D answered 500 (each child claimed the hold) and P kept n - 1 holds until its timeout."""
+    c = routing_cluster
+    url, _ = kv_aware_router
+    prompt = prompt_ids(150, seed=3690 + stream)
+    body = {**completion_body(prompt), "n": 3, "temperature": 0.8, "seed": 4321}
+    before = {p.url: _hold_counts(p) for p in c.producers}
+    if stream:
+        texts: dict[int, str] = {}
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    else:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        texts = {ch["index"]: ch["text"] for ch in r.json()["choices"]}
+    single = httpx.post(c.prefill.url + "/v1/completions", json={**body, "cache_salt": "one-instance"}, timeout=120)
+    assert texts == {ch["index"]: ch["text"] for ch in single.json()["choices"]}
+    assert len(set(texts.values())) > 1
+    for p in c.producers:  # every hold made (one, on the P the router chose) released by D, none left to expire
+        assert wait_kv_idle(p, timeout=10) == 0.0
+    moved = {p.url: {k: v - before[p.url][k] for k, v in _hold_counts(p).items()} for p in c.producers}
+    assert sum(m["created"] for m in moved.values()) == 1, moved
+    assert all(m["created"] == m["released"] and m["expired"] == 0 for m in moved.values()), moved

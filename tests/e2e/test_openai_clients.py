@@ -264,3 +264,56 @@ def test_a_client_that_leaves_while_p_prefills_leaves_no_hold(cluster: Cluster) 
     assert present(cluster.decode, "vllm:num_requests_running") == 0.0
     # Both still serve.
     assert post(cluster.proxy_url + "/v1/completions", body(prompt_ids(40, seed=3671)))["choices"]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+BAD_REQUESTS = {
+    "n=0": ({"n": 0}, "n"),
+    "n=-1": ({"n": -1}, "n"),
+    "n=10^6": ({"n": 10**6, "temperature": 1.0}, "n"),
+    "n='3'": ({"n": "three"}, "n"),
+    "n=1.5": ({"n": 1.5}, "n"),
+    "empty batch": ({"prompt": []}, "prompt"),
+    "10^5 prompts": ({"prompt": ["a"] * 10**5}, "prompt"),
+    "nested lists": ({"prompt": [[[5, 6, 7]]]}, "prompt"),
+    "mixed batch": ({"prompt": ["text", [5, 6, 7]]}, "prompt"),
+    "bool tokens": ({"prompt": [True, False]}, "prompt"),
+    "min_tokens string": ({"min_tokens": "many"}, "min_tokens"),
+    "stream_options list": ({"stream": True, "stream_options": [1]}, "stream_options"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_bad_input_is_a_400_naming_the_field_and_holds_nothing(cluster: Cluster, case: str) -> None:
+    change, field = BAD_REQUESTS[case]
+    before = holds(cluster.prefill)
+    r = httpx.post(cluster.proxy_url + "/v1/completions", json={**body(prompt_ids(40, seed=3680)), **change},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field or field in error["message"], error
+    assert holds(cluster.prefill) == before  # refused before P was asked
+
+
+def test_after_bad_input_both_engines_serve_and_hold_nothing(cluster: Cluster) -> None:
+    single = body(["one prompt in a list"], temperature=0)  # a batch of one: one instance's answer
+    absurd_best_of = body(prompt_ids(40, seed=3681), temperature=0, best_of=10**9)  # vLLM ignores best_of
+    with every_hold_released(cluster, expected=2):
+        for request in (single, absurd_best_of):
+            pd = httpx.post(cluster.proxy_url + "/v1/completions", json=request, timeout=60)
+            one = httpx.post(cluster.prefill.url + "/v1/completions", json=request, timeout=60)
+            assert pd.status_code == one.status_code == 200, (pd.text, one.text)
+            assert_same(whole(pd.json()), whole(one.json()))
+
+
+def test_n16_equals_one_instance(cluster: Cluster) -> None:
+    """As many children as D runs at once (--max-num-seqs 16): one pull, fifteen followers."""
+    prompt = prompt_ids(100, seed=3682)
+    request = body(prompt, n=16, temperature=1.0, seed=5, max_tokens=4)
+    before = tokens_by_source(cluster)
+    with every_hold_released(cluster, expected=1):
+        pd = whole(post(cluster.proxy_url + "/v1/completions", request))
+    moved = computed_on_d(cluster, before)
+    assert_same(pd, whole(one_instance(cluster, request)))
+    assert moved["local_compute"] <= 16 * BLOCK_SIZE, moved

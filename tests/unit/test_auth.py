@@ -122,6 +122,7 @@ def test_one_admission_checks_the_signature_once() -> None:
     assert plan is not None and plan.contact_p and not plan.error
     assert len(calls) == 1
     schedule.take_plans()
+    assert schedule.on_finished("d1", params, prompt(PROMPT)) is None  # d1 done: d2 is no follower of its hold
     # The kept check is for that pass and those params only: other params, or a later pass, are checked again.
     forged = {**params, "remote_host": "10.6.6.6"}
     assert schedule.matched_tokens("d2", params, prompt(PROMPT), 0) == (PROMPT, True)

@@ -17,8 +17,10 @@ P's hold timeout frees), so a P that died or restarted costs the client nothing.
 slow P would get the same work twice), nor HTTP answers (a 4xx/5xx comes from a live P); the retry gets only
 what is left of the request's deadline. Retries are logged and counted in /health (``prefill_retries``).
 
-Before any P is asked the request is checked (validation.py: what P will not see must be what D accepts); a
-batch of prompts runs as one such flow per prompt (batch_flow.py). docs/api.md has the whole contract.
+The same flow serves ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses``; what differs per route
+(P's copy of the body, the checks) is endpoints.py's table. Before any P is asked the request is checked
+(validation.py: what P will not see must be what D accepts); a batch of prompts runs as one such flow per prompt
+(batch_flow.py). docs/api.md has the whole contract.
 
 Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-only box.
 """
@@ -35,6 +37,8 @@ from typing import Any
 
 from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.batch_flow import run_batch
+from vllm_kvp2p.proxy.endpoints import ENDPOINTS
+from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
@@ -54,26 +58,10 @@ from vllm_kvp2p.proxy.upstream import (
     upstream_failure,
     went_away,
 )
-from vllm_kvp2p.proxy.validation import Limits, check_request, lax_bool
+from vllm_kvp2p.proxy.validation import Limits, lax_bool
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
-#: ``kv_transfer_params`` sent to the prefill instance: "compute the KV and keep it for a remote decoder".
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-# Fields that make no sense (or break) a 1-token, non-streaming prefill of one sequence: D samples the n sequences
-# (best_of is ignored by vLLM 0.32; beam search would take P off the plain prefill path). Each value P does not see
-# is checked by validation.py before P is asked, so D cannot refuse what P already holds.
-_DROP_FOR_PREFILL: tuple[str, ...] = (
-    "stream_options", "min_tokens", "min_completion_tokens", "best_of", "use_beam_search",
-)
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
 FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
@@ -172,17 +160,9 @@ class PDProxy:
 
     @staticmethod
     def prefill_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
-        """The copy of the client's body sent to P: one sequence of one token, no streaming, ``do_remote_decode``."""
-        p_body = dict(body)
-        p_body["n"] = 1
-        p_body["max_tokens"] = 1
-        if chat or "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        p_body["stream"] = False
-        for key in _DROP_FOR_PREFILL:
-            p_body.pop(key, None)
-        p_body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-        return p_body
+        """The copy of a completion (or ``chat``) request sent to P: one sequence of one token, no streaming,
+        ``do_remote_decode`` (:data:`~vllm_kvp2p.proxy.endpoints.ENDPOINTS` has every route's rules)."""
+        return ENDPOINTS["/v1/chat/completions" if chat else "/v1/completions"].prefill_body(body)
 
     async def _prefill(
         self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
@@ -280,9 +260,10 @@ class PDProxy:
             ) from exc
 
     async def handle(self, raw: bytes, client_headers: Mapping[str, str], path: str) -> Answer | Relay:
-        """Full P then D flow for one ``/v1/completions`` or ``/v1/chat/completions`` request: ``raw`` is its body,
-        ``client_headers`` its headers (lower-case names). A batch of prompts runs as one flow per prompt
-        (:mod:`batch_flow`). Cancelling it (the client went away) drops every upstream connection it has open."""
+        """Full P then D flow for one request to ``path``, one of :data:`~vllm_kvp2p.proxy.endpoints.ENDPOINTS`
+        (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``): ``raw`` is its body, ``client_headers``
+        its headers (lower-case names). A batch of prompts runs as one flow per prompt (:mod:`batch_flow`).
+        Cancelling it (the client went away) drops every upstream connection it has open."""
         rid = client_headers.get("x-request-id") or str(uuid.uuid4())
         try:
             body = self._parse(raw, path)
@@ -291,7 +272,7 @@ class PDProxy:
                 value = client_headers.get(name)
                 if value is not None:
                     headers[name] = value
-            prompts = None if path.endswith("chat/completions") else batch_prompts(body)
+            prompts = batch_prompts(body) if ENDPOINTS[path].batched else None
             if prompts is not None:
                 return await run_batch(self, body, prompts, headers, path, rid)
             return await self.run_one(body, headers, path, rid)
@@ -309,7 +290,7 @@ class PDProxy:
             raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from exc
         if not isinstance(body, dict):
             raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
-        check_request(body, chat=path.endswith("chat/completions"), limits=self.limits)
+        ENDPOINTS[path].check(body, self.limits)
         return body
 
     async def run_one(self, body: dict[str, Any], headers: dict[str, str], path: str, rid: str) -> Answer | Relay:
@@ -321,7 +302,7 @@ class PDProxy:
         prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
         route_ms = (t0 - received) * 1000.0  # the prompt's tokens and hashes (routing happens below)
-        p_body = self.prefill_body(body, chat=path.endswith("chat/completions"))
+        p_body = ENDPOINTS[path].prefill_body(body)
         p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
         prefill_ms = (time.monotonic() - t0) * 1000.0
 

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.forward import FORWARDED_ROUTES, forward
 from vllm_kvp2p.proxy.routes import allowed, not_served
 from vllm_kvp2p.proxy.upstream import Answer, ProxyError, Relay
@@ -35,8 +36,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
 #: The largest request body the proxy reads (a 2,000,000-character prompt is ~2 MB); a larger one gets a 413.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
@@ -46,7 +45,8 @@ class ClientGone(Exception):
 
 
 class ProxyASGI:
-    """The app uvicorn serves: completion requests to :class:`PDProxy`, the rest to ``fallback`` (FastAPI)."""
+    """The app uvicorn serves: the disaggregated routes (completion, chat, responses) to :class:`PDProxy`, the
+    forwarded ones to one D, the rest to ``fallback`` (FastAPI)."""
 
     def __init__(self, proxy: PDProxy, fallback: ASGIApp) -> None:
         self.proxy = proxy
@@ -63,7 +63,7 @@ class ProxyASGI:
             if error.status == 405:
                 answer = replace(answer, headers={"Allow": ", ".join(allowed(path))})
             await send_answer(send, answer)
-        elif path in COMPLETION_PATHS:
+        elif path in ENDPOINTS:
             await self._completion(scope, receive, send)
         elif path in FORWARDED_ROUTES:
             await self._forward(scope, receive, send)

@@ -4,8 +4,8 @@ tokenizer (``--tokenizer``, :mod:`local_tokenizer`), or asked of a P's ``/tokeni
 Token-id prompts are used as they are. Text completion prompts are tokenized in the proxy when it has the
 engines' tokenizer; chat prompts, and text without it, by one P (vLLM's ``/tokenize``: the engine's own tokenizer
 and chat template, so the tokens are those the engines will hash). Requests whose blocks vLLM hashes with extra
-keys (a cache salt, a LoRA adapter), several prompts, or none, get no tokens: they are routed by load.
-:class:`PromptReader` is the one place that decides which, and counts what happened.
+keys (a cache salt, a LoRA adapter), several prompts, or none, and ``/v1/responses`` requests, get no tokens: they
+are routed by load. :class:`PromptReader` is the one place that decides which, and counts what happened.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
+from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.instances import PromptBlocks
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Upstream, describe
@@ -42,8 +43,14 @@ def is_token_list(value: object) -> bool:
 
 
 def tokenize_request(path: str, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
-    """The prompt's token ids when the request carries them, else the body to send to ``/tokenize``, else None."""
-    if path.endswith("chat/completions"):
+    """The prompt's token ids when the request carries them, else the body to send to ``/tokenize``, else None.
+
+    Which body field holds the prompt is the route's (:data:`~vllm_kvp2p.proxy.endpoints.ENDPOINTS`): none for
+    ``/v1/responses`` (vLLM's ``/tokenize`` does not take its ``input`` and ``instructions``), routed by load."""
+    source = ENDPOINTS[path].prompt if path in ENDPOINTS else "prompt"
+    if source is None:
+        return None
+    if source == "messages":
         if not isinstance(body.get("messages"), list):
             return None
         tok_body = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}

@@ -7,12 +7,13 @@ a route of vLLM's own API that the proxy does not disaggregate (its message says
 
 from __future__ import annotations
 
+from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.upstream import ProxyError
 
-#: Every route the proxy serves and its method (HEAD is also taken wherever GET is).
+#: Every route the proxy serves and its method (HEAD is also taken wherever GET is): the disaggregated ones
+#: (endpoints.py), then the forwarded ones and its own.
 SERVED: dict[str, str] = {
-    "/v1/completions": "POST",
-    "/v1/chat/completions": "POST",
+    **{path: "POST" for path in ENDPOINTS},
     "/v1/models": "GET",
     "/tokenize": "POST",
     "/detokenize": "POST",
@@ -20,9 +21,10 @@ SERVED: dict[str, str] = {
 }
 
 #: vLLM 0.32's routes (vllm/entrypoints/**/api_router.py) the proxy does not serve: inference it does not split
-#: into prefill and decode, and each engine's own administration.
+#: into prefill and decode, and each engine's own administration (``/v1/responses/{id}``, a stored response
+#: retrieved or cancelled on the one engine that stored it, among them).
 VLLM_ROUTES: frozenset[str] = frozenset({
-    "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/score", "/v1/rerank", "/v1/realtime",
+    "/v1/embeddings", "/v1/messages", "/v1/score", "/v1/rerank", "/v1/realtime",
     "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pooling", "/score", "/rerank", "/classify",
     "/generative_scoring", "/invocations", "/metrics", "/load", "/ping", "/version", "/server_info",
     "/tokenizer_info", "/ready", "/readyz", "/is_sleeping", "/is_paused", "/sleep", "/wake_up", "/pause", "/resume",

@@ -1,7 +1,7 @@
-"""What the proxy checks in a completion request before any P is asked (pure).
+"""What the proxy checks in a completion, chat or responses request before any P is asked (pure).
 
 P gets a changed copy of the request (``n``, ``max_tokens``, ``stream`` replaced; ``stream_options``, ``min_tokens``,
-``min_completion_tokens``, ``best_of``, ``use_beam_search`` dropped: :func:`~vllm_kvp2p.proxy.app.prefill_body`),
+``min_completion_tokens``, ``best_of``, ``use_beam_search`` dropped: :mod:`~vllm_kvp2p.proxy.endpoints`),
 so P never sees those values. Were one of them something D refuses, P would already hold the prompt's KV for a
 decoder that never comes (until P's hold timeout). So each value P does not see is checked here, the way vLLM 0.32
 checks it (pydantic's lax parsing: ``"3"`` and ``3.0`` are an int, ``"yes"`` a bool), and the whole request is
@@ -15,6 +15,12 @@ does not split (P would prefill them as one batch and answer for one prompt only
 
 ``best_of`` is not checked: vLLM 0.32's completion and chat requests have no such field and ignore it whatever its
 value, so D cannot refuse it; it is only not sent to P.
+
+A ``/v1/responses`` request (:func:`check_responses`) has ``max_output_tokens``, ``stream``, ``store`` and
+``background`` replaced for P, so those are checked the same way; and what the proxy cannot disaggregate is refused
+with a 400 naming it rather than answered differently: ``previous_response_id`` (the conversation is in the store of
+the one engine that answered it, which P is not) and ``background: true`` (the response would be polled on the one
+engine running it, through routes the proxy does not serve).
 """
 
 from __future__ import annotations
@@ -218,3 +224,30 @@ def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
     if limit is not None and min_tokens > limit:
         name = "max_completion_tokens" if chat and max_completion is not None else "max_tokens"
         raise invalid("min_tokens", f"min_tokens must be less than or equal to {name}={limit}, got {min_tokens}.")
+
+
+def check_responses(body: dict[str, Any]) -> None:
+    """A ``/v1/responses`` request: a 400 :class:`ProxyError` (``param`` set) for the first value the proxy refuses.
+
+    P gets ``max_output_tokens: 1``, ``stream: false``, ``store: false``, ``background: false``; each client value
+    of those is checked as vLLM reads it (0.23 and 0.32's ``ResponsesRequest``), and what needs one engine's stored
+    state is refused with a message saying to send it to an engine directly."""
+    if body.get("previous_response_id") is not None:
+        raise invalid("previous_response_id", (
+            "previous_response_id is not supported by the P/D proxy: the response it names is stored only on the "
+            "engine that answered it, and the prefill instance would not find it. Send the whole conversation as "
+            "`input` instead, or send requests that continue a stored response to one engine (a vLLM instance) "
+            "directly."))
+    if _bool_field(body, "background"):
+        raise invalid("background", (
+            "background is not supported by the P/D proxy: a background response runs, is stored and is polled "
+            "(GET /v1/responses/{id}) on one engine, which the proxy does not route to. Send background requests to "
+            "one engine (a vLLM instance) directly."))
+    _bool_field(body, "stream")
+    _bool_field(body, "store")
+    try:
+        max_output = lax_int(body.get("max_output_tokens"))
+    except ValueError as exc:
+        raise invalid("max_output_tokens", f"max_output_tokens must be an integer: {exc}") from exc
+    if max_output is not None and max_output < 1:  # vLLM's SamplingParams check, its message (D would refuse it)
+        raise invalid("max_output_tokens", f"max_tokens must be at least 1, got {max_output}.")

@@ -335,6 +335,7 @@ def make_stub_app(stub: Stub) -> FastAPI:
 
     app.post("/v1/completions")(generate)
     app.post("/v1/chat/completions")(generate)
+    app.post("/v1/responses")(generate)  # the same answers: the proxy reads only kv_transfer_params of P's
 
     @app.get("/health")
     async def health() -> Response:

@@ -277,7 +277,7 @@ def test_stream_merger_without_usage_and_errors() -> None:
 # -- routes.py -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/pooling",
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses/resp_1", "/v1/audio/transcriptions", "/pooling",
                                   "/score", "/rerank", "/v1/score", "/v1/rerank", "/classify",
                                   "/v1/completions/render", "/v1/chat/completions/batch", "/v2/embed", "/metrics",
                                   "/v1/messages", "/reset_prefix_cache"])

@@ -272,8 +272,8 @@ def test_tokenize_and_detokenize_go_to_a_decoder(stubs: dict[str, Stub], make_pr
     assert outstanding(url) == [0, 0]
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/pooling",
-                                  "/score", "/rerank", "/v1/score", "/v1/rerank", "/classify",
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses/resp_1/cancel", "/v1/audio/transcriptions",
+                                  "/pooling", "/score", "/rerank", "/v1/score", "/v1/rerank", "/classify",
                                   "/v1/completions/render"])
 def test_vllm_routes_not_disaggregated_are_501(
     stubs: dict[str, Stub], make_proxy: Callable[..., str], path: str

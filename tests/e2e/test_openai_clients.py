@@ -317,3 +317,14 @@ def test_n16_equals_one_instance(cluster: Cluster) -> None:
     moved = computed_on_d(cluster, before)
     assert_same(pd, whole(one_instance(cluster, request)))
     assert moved["local_compute"] <= 16 * BLOCK_SIZE, moved
+
+
+def test_a_batch_with_a_prompt_p_refuses_is_one_error_and_leaves_no_hold(cluster: Cluster) -> None:
+    """Prompt 2 of 4 is longer than the model (P answers 400): the client gets that one error naming the prompt,
+    the other parts are cancelled or end, and every hold P made for them is released, none left to expire."""
+    prompts = [prompt_ids(60, seed=3690 + i) for i in range(4)]
+    prompts[2] = prompt_ids(2100, seed=3694)  # --max-model-len 2048
+    with every_hold_released(cluster):
+        r = httpx.post(cluster.proxy_url + "/v1/completions", json=body(prompts, max_tokens=50), timeout=60)
+    assert r.status_code == 400, r.text
+    assert "prompt 2" in r.json()["error"]["message"], r.text

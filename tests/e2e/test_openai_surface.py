@@ -41,21 +41,18 @@ ONE_INSTANCE_SALT = "one-instance"  # added to the one instance's cache_salt (th
 IDLE_WAIT_S = 5.0  # P and D back to no KV block in use after a case
 HOLD_TIMEOUT_S = 60.0  # the session cluster's VLLM_KVP2P_HOLD_TIMEOUT (tests/conftest.py): the longest a hold lasts
 #: Keys that differ between any two answers (ids, clocks, D's pull report, prefix-cache hits).
-IGNORED = frozenset({"id", "created", "created_at", "system_fingerprint", "kv_transfer_params", "prompt_tokens_details",
-                     "input_tokens_details"})
+IGNORED = frozenset({"id", "item_id", "created", "created_at", "system_fingerprint", "kv_transfer_params",
+                     "prompt_tokens_details", "input_tokens_details"})
 #: Delta keys a stream spreads over its chunks as pieces of one string.
 TEXT_KEYS = frozenset({"text", "content", "reasoning_content", "reasoning", "refusal", "arguments"})
 
 #: issue 36: n > 1 and batched prompts answer the same through P/D but leave holds on P (the prompts and choices D
 #: does not pull). Set to None when the fix lands: the marks go and those cases get the ordinary end-clean check.
 N_BATCH_XFAIL: str | None = "issue 36: n>1/batch fix in progress"
-#: issue 36: D refuses (400) a request P accepted (P's copy is not streamed): the answer is the same 400, but P keeps
-#: the prompt's blocks until its hold timeout.
-#: issue 36: P answers a beam search without kv_transfer_params (vLLM's beam search runs its own one-token
-#: requests), and the proxy answers 502 "returned no kv_transfer_params": neither the answer nor a 400 naming it.
-BEAM_SEARCH_XFAIL: str | None = "issue 36: use_beam_search through P/D answers 502, not the answer nor a 400"
-REFUSED_BY_D_XFAIL: str | None = ("issue 36: D refuses with a 400 what P accepted; P's hold stays until its hold "
-                                  "timeout")
+#: issue 36: a beam search through P/D is the same answer, but vLLM's beam search on D runs its own one-token
+#: requests without kv_transfer_params: D computes the prompt itself and P's hold stays until its hold timeout.
+BEAM_SEARCH_XFAIL: str | None = ("issue 36: use_beam_search: D computes the prompt itself and P keeps its hold until "
+                                 "the hold timeout")
 
 
 def _vllm_version() -> tuple[int, int, int]:
@@ -90,6 +87,8 @@ class Case:
     body: Json
     status: int | None = 200  # what one instance must answer (None: whatever it answers on this vLLM)
     names: str | None = None  # a 4xx must name this parameter
+    #: A parameter P/D cannot serve: P/D answers a 400 naming it, whatever one instance answers.
+    pd_refuses: str | None = None
     #: Fields taken from one instance's greedy answer to the body (with return_token_ids): stop strings, token ids.
     derive: Callable[[Json], Json] | None = None
     check: Callable[[Json], None] | None = None  # one instance's answer shows the parameter acted
@@ -125,6 +124,12 @@ def chat(case_id: str, *, stream: bool = False, case: Json | None = None, **fiel
     body = {"model": MODEL, "messages": [{"role": "user", "content": text_prompt(case_id)}],
             "max_tokens": MAX_TOKENS, "temperature": 0, **({"stream": True} if stream else {}), **fields}
     return Case(case_id, CHAT, body, **(case or {}))
+
+
+def responses(case_id: str, *, stream: bool = False, case: Json | None = None, **fields: Any) -> Case:
+    body = {"model": MODEL, "input": text_prompt(case_id), "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            **({"stream": True} if stream else {}), **fields}
+    return Case(case_id, RESPONSES, body, **(case or {}))
 
 
 def _first(answer: Json) -> Json:
@@ -186,6 +191,7 @@ TEMPLATE = ("{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] + '
 NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 TOOL_CALL = {"status": None, "names": "tool_choice", "check": has_tool_call}
 USAGE = {"include_usage": True}
+STREAMED_PROMPT_LOGPROBS = {"status": 400, "names": "prompt_logprobs"}  # vLLM refuses them; P/D must refuse alike
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 
@@ -243,15 +249,13 @@ CASES: list[Case] = [
     completion("n-greedy", n=3, case={"status": 400, "names": "n"}),
     completion("suffix", text=True, suffix="end", case={"status": 400, "names": "suffix"}),
     completion("priority", priority=1, case={"status": None, "names": "priority"}),
-    completion("use_beam_search", text=True, use_beam_search=True, n=2, case={"xfail": BEAM_SEARCH_XFAIL}),
     # completions: streams
     completion("stream", stream=True),
     completion("stream-include_usage", stream=True, stream_options=USAGE),
     completion("stream-continuous_usage_stats", stream=True, stream_options=CONTINUOUS),
     completion("stream-logprobs", stream=True, logprobs=2, stream_options=USAGE),
     completion("stream-echo", text=True, stream=True, echo=True, stream_options=USAGE),
-    completion("stream-prompt_logprobs", stream=True, prompt_logprobs=1,
-               case={"status": 400, "names": "prompt_logprobs", "xfail": REFUSED_BY_D_XFAIL}),
+    completion("stream-prompt_logprobs", stream=True, prompt_logprobs=1, case=STREAMED_PROMPT_LOGPROBS),
     completion("stream-seed", stream=True, logprobs=1, stream_options=CONTINUOUS, **SAMPLED),
     completion("stream-stop", text=True, stream=True, stream_options=USAGE, case=STOP),
     completion("stream-structured-choice", text=True, stream=True, **structured("choice", ["yes", "no"])),
@@ -302,8 +306,18 @@ CASES: list[Case] = [
     chat("chat-stream-continuous_usage_stats", stream=True, stream_options=CONTINUOUS, **SAMPLED),
     chat("chat-stream-tools-named", stream=True, tools=TOOLS, max_tokens=12, stream_options=USAGE,
          tool_choice=NAMED_TOOL, case=TOOL_CALL),
-    chat("chat-stream-prompt_logprobs", stream=True, prompt_logprobs=1,
-         case={"status": 400, "names": "prompt_logprobs", "xfail": REFUSED_BY_D_XFAIL}),
+    chat("chat-stream-prompt_logprobs", stream=True, prompt_logprobs=1, case=STREAMED_PROMPT_LOGPROBS),
+    # the Responses API
+    responses("responses"),
+    responses("responses-sampled", temperature=0.8, top_p=0.9, seed=5),
+    responses("responses-instructions-messages", instructions="Answer briefly.",
+              input=[{"role": "user", "content": text_prompt("responses-messages")}]),
+    responses("responses-logprobs", top_logprobs=2, include=["message.output_text.logprobs"]),
+    responses("responses-store-false", store=False),
+    responses("responses-stream", stream=True),
+    responses("responses-previous_response_id", previous_response_id="resp_0123456789abcdef",
+              case={"status": None, "pd_refuses": "previous_response_id"}),
+    responses("responses-background", background=True, case={"status": None, "pd_refuses": "background"}),
     chat("chat-stream-stop", stream=True, stream_options=USAGE, case=STOP),
     # n > 1 and batched prompts
     completion("n-3", n=3, logprobs=1, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
@@ -312,6 +326,8 @@ CASES: list[Case] = [
     chat("chat-n-3", n=3, logprobs=True, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
     chat("chat-n-3-stream", n=3, stream=True, stream_options=USAGE, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
     *(_batch(size, ids, stream) for size in (2, 8) for ids in (False, True) for stream in (False, True)),
+    # last: it leaves a hold on P (BEAM_SEARCH_XFAIL), which must not fail another case's end-clean check
+    completion("use_beam_search", text=True, use_beam_search=True, n=2, case={"xfail": BEAM_SEARCH_XFAIL}),
 ]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 CASES.sort(key=lambda c: c.xfail is not None)  # stable: the xfails last, their holds must not fail the others' check
@@ -344,6 +360,9 @@ def call(base: str, route: str, body: Json, timeout: float = 60) -> Answer:
                 done = True
             elif line.startswith("data: "):
                 events.append(json.loads(line[6:]))
+    if route == RESPONSES:  # typed events, no [DONE]: the last one carries the whole response
+        assert events and events[-1].get("type") in RESPONSE_ENDS, f"{base}{route}: the stream ended with {events[-1:]}"
+        return Answer(200, reassemble_response(events), events)
     assert done, f"{base}{route}: the stream ended without [DONE]"
     return Answer(200, reassemble(events), events)
 
@@ -372,6 +391,18 @@ def reassemble(events: list[Json]) -> Json:
             "errors": [e["error"] for e in events if e.get("error")]}
 
 
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def reassemble_response(events: list[Json]) -> Json:
+    """A Responses stream as one answer: its final response, the text of its deltas, its kinds of events in order
+    (a run of deltas as one: their number depends on chunking)."""
+    kinds = [e.get("type") for e in events]
+    return {"response": events[-1].get("response"),
+            "deltas": "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta"),
+            "events": [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]}
+
+
 def _merge(acc: Json, delta: Json) -> None:
     for key, value in delta.items():
         if value is None:
@@ -396,12 +427,15 @@ def _merge(acc: Json, delta: Json) -> None:
 
 def differences(pd: Any, one: Any, path: str = "$") -> list[str]:
     """Where the P/D answer and one instance's differ: floats (logprobs) within LOGPROB_TOL, all else exactly
-    (a top-logprobs dict keyed by token has the same tokens), the ``IGNORED`` keys left out."""
+    (a top-logprobs dict keyed by token has the same tokens), the ``IGNORED`` keys left out, a key absent on one
+    side the same as null on the other."""
     if isinstance(pd, dict) and isinstance(one, dict):
         out = []
         for key in sorted(set(pd) | set(one), key=str):
             if key in IGNORED:
                 continue
+            if (key not in pd and one[key] is None) or (key not in one and pd[key] is None):
+                continue  # absent and null are the same answer to an OpenAI client
             if key not in pd or key not in one:
                 out.append(f"{path}.{key}: only in {'P/D' if key in pd else 'one instance'}")
             else:
@@ -446,15 +480,24 @@ def assert_ends_clean(cluster: Cluster, wait: float = IDLE_WAIT_S) -> None:
     assert held == {"P": 0.0, "D": 0.0}, f"KV cache still in use after the case (vllm:kv_cache_usage_perc): {held}"
 
 
+def error_message(answer: Answer) -> str:
+    """The error's message without the `` (parameter=x)`` vLLM's server appends (a proxy's own refusal may not)."""
+    return re.sub(r" \(parameter=[\w.]+\)$", "", str(answer.error.get("message")))
+
+
+def assert_names(answer: Answer, param: str) -> None:
+    named = answer.error.get("param") == param or re.search(rf"\b{re.escape(param)}\b", error_message(answer))
+    assert named, f"the {answer.status} does not name {param!r}: {answer.json}"
+
+
 def assert_same(pd: Answer, one: Answer, body: Json, names: str | None = None) -> None:
     assert pd.status == one.status, f"P/D answered {pd.status}: {pd.json}; one instance {one.status}: {one.json}"
     if one.status != 200:
-        assert pd.error.get("message") == one.error.get("message"), (pd.json, one.json)
+        assert error_message(pd) == error_message(one), (pd.json, one.json)
         if names is not None:
-            named = pd.error.get("param") == names or re.search(rf"\b{re.escape(names)}\b", pd.error["message"])
-            assert named, f"the {pd.status} does not name {names!r}: {pd.json}"
+            assert_names(pd, names)
         return
-    if pd.chunks is not None and one.chunks is not None:
+    if pd.chunks is not None and one.chunks is not None and "choices" in one.json:
         for who, answer in (("P/D", pd), ("one instance", one)):
             problems = usage_chunk_problems(answer.chunks or [], body)
             assert not problems, f"{who}: {problems}"
@@ -492,24 +535,14 @@ def test_same_answer_through_pd_as_on_one_instance(cluster: Cluster, case: Case)
         assert one.status == case.status, one.json
     if case.check is not None and one.status == 200:
         case.check(one.json)
-    assert_same(pd, one, body, case.names)
+    if case.pd_refuses is not None:  # what P/D cannot serve: a 400 naming it (one instance may serve it)
+        assert pd.status == 400, (pd.status, pd.json)
+        assert_names(pd, case.pd_refuses)
+    else:
+        assert_same(pd, one, body, case.names)
     if pd.status == 200 and not computes_prompt_itself(case.route, body):  # P/D served it, not D alone
         assert moved["external_kv_transfer"] > 0, f"D answered without pulling the prompt's KV from P: {moved}"
         if body.get("n", 1) == 1:  # (n > 1: vLLM's parallel sampling on D may compute a child's prompt)
             assert moved["local_compute"] == 0, f"D computed prompt tokens itself: {moved}"
     assert_ends_clean(cluster, wait=1.0 if case.xfail else IDLE_WAIT_S)
 
-
-@pytest.mark.xfail(strict=False, reason="issue 36: the proxy does not route /v1/responses yet (404, route not named)")
-def test_responses_api(cluster: Cluster) -> None:
-    """vLLM serves /v1/responses (0.23 and 0.32, with kv_transfer_params): through the proxy it is the same answer
-    as on one instance, or, while the proxy does not disaggregate it, a clear error naming the route."""
-    body = {"model": MODEL, "input": text_prompt("responses"), "max_output_tokens": MAX_TOKENS, "temperature": 0}
-    pd = call(cluster.proxy_url, RESPONSES, body)
-    one = call(cluster.prefill.url, RESPONSES, one_instance_body(body))
-    assert one.status == 200, one.json
-    if pd.status != 200:
-        assert 400 <= pd.status < 600 and RESPONSES in json.dumps(pd.json), (pd.status, pd.json)
-        pytest.fail(f"the proxy answers {pd.status} to {RESPONSES}: {pd.json}")
-    assert_same(pd, one, body)
-    assert_ends_clean(cluster)

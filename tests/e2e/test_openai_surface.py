@@ -20,7 +20,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
 
@@ -66,6 +66,16 @@ def _vllm_version() -> tuple[int, int, int]:
 
 
 VLLM_VERSION = _vllm_version()
+
+
+#: issue 36: vLLM 0.32's scheduler gives a request that skips the prefix cache (one asking for prompt logprobs) no
+#: external tokens whatever the connector says; vLLM 0.23's asks the connector and takes its answer, which does not
+#: check that: D loads P's KV for the prompt, its prompt logprobs are left unset, and D's API server dies decoding
+#: them (OverflowError in convert_ids_list_to_tokens: every later request to D fails). Not sent there: it would take
+#: the session's D down for every later test.
+PROMPT_LOGPROBS_XFAIL: str | None = (
+    "issue 36: vLLM 0.23: prompt logprobs through P/D end D's API server (the connector loads P's KV for a request "
+    "that skips the prefix cache)" if VLLM_VERSION < (0, 32, 0) else None)
 
 
 def structured(kind: str, value: Any) -> dict[str, Any]:
@@ -196,6 +206,14 @@ TOOL_CALL = {"status": None, "names": "tool_choice", "check": has_tool_call}
 USAGE = {"include_usage": True}
 STREAMED_PROMPT_LOGPROBS = {"status": 400, "names": "prompt_logprobs"}  # vLLM refuses them; P/D must refuse alike
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def computes_prompt_itself(route: str, body: Json) -> bool:
+    """A request asking for its prompt's logprobs (``prompt_logprobs``; ``echo`` with logprobs, or any chat ``echo``,
+    asks for them too) skips every prefix cache, the KV P offers included: D computes its prompt itself, by design
+    (P prefilled it in vain)."""
+    return body.get("prompt_logprobs") is not None or bool(
+        body.get("echo") and (route == CHAT or body.get("logprobs") is not None))
 
 
 def _batch(size: int, ids: bool, stream: bool) -> Case:
@@ -334,6 +352,8 @@ CASES: list[Case] = [
                case={"xfail": BEAM_SEARCH_XFAIL, "run": False}),
 ]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
+CASES = [replace(c, xfail=PROMPT_LOGPROBS_XFAIL, run=False) if PROMPT_LOGPROBS_XFAIL and c.xfail is None
+         and not c.body.get("stream") and computes_prompt_itself(c.route, c.body) else c for c in CASES]
 CASES.sort(key=lambda c: c.xfail is not None)  # stable: the xfails last, their holds must not fail the others' check
 
 
@@ -470,14 +490,6 @@ def usage_chunk_problems(events: list[Json], body: Json) -> list[str]:
     return [f"usage on chunks {with_usage} without stream_options"] if with_usage else []
 
 
-def computes_prompt_itself(route: str, body: Json) -> bool:
-    """A request asking for its prompt's logprobs (``prompt_logprobs``; ``echo`` with logprobs, or any chat ``echo``,
-    asks for them too) skips every prefix cache, the KV P offers included: D computes its prompt itself, by design
-    (P prefilled it in vain)."""
-    return body.get("prompt_logprobs") is not None or bool(
-        body.get("echo") and (route == CHAT or body.get("logprobs") is not None))
-
-
 def assert_ends_clean(cluster: Cluster, wait: float = IDLE_WAIT_S) -> None:
     held = {role: wait_kv_idle(server, timeout=wait) for role, server in
             (("P", cluster.prefill), ("D", cluster.decode))}
@@ -497,9 +509,11 @@ def assert_names(answer: Answer, param: str) -> None:
 def assert_same(pd: Answer, one: Answer, body: Json, names: str | None = None) -> None:
     assert pd.status == one.status, f"P/D answered {pd.status}: {pd.json}; one instance {one.status}: {one.json}"
     if one.status != 200:
-        assert error_message(pd) == error_message(one), (pd.json, one.json)
-        if names is not None:
+        if names is None:
+            assert error_message(pd) == error_message(one), (pd.json, one.json)
+        else:  # the proxy's own refusal words it as vLLM 0.32 does, vLLM 0.23 may not (a pydantic dump)
             assert_names(pd, names)
+            assert_names(one, names)
         return
     if pd.chunks is not None and one.chunks is not None and "choices" in one.json:
         for who, answer in (("P/D", pd), ("one instance", one)):

@@ -186,7 +186,8 @@ class SchedulerSide:
             self.stats.record_failure(Failure.INTERNAL.value)
 
     def _prompt(self, request: Request) -> Prompt:
-        return Prompt(request.num_prompt_tokens, lambda n: self._digest(request, n))
+        return Prompt(request.num_prompt_tokens, lambda n: self._digest(request, n),
+                      loads_kv=not request.get_skip_reading_prefix_cache())
 
     def _digest(self, request: Request, num_tokens: int) -> str:
         """``request_digest``, once per request: vLLM asks again at every step a request waits for blocks, and a

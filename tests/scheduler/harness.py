@@ -212,6 +212,7 @@ def make_request(
     max_tokens: int = 16,
     kv_transfer_params: dict[str, Any] | None = None,
     seed: int = 0,
+    prompt_logprobs: int | None = None,
 ) -> Request:
     """A request; an int prompt means that many tokens of a deterministic sequence starting at ``seed``."""
     global _HASHER_READY
@@ -220,7 +221,7 @@ def make_request(
         _HASHER_READY = True
     if isinstance(prompt_token_ids, int):
         prompt_token_ids = tokens(prompt_token_ids, seed)
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
     params.update_from_generation_config({}, EOS_TOKEN_ID)  # what the input processor does; no tokenizer here
     params.extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
     return Request(

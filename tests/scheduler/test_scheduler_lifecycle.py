@@ -655,3 +655,18 @@ def test_d_contract_with_workers_that_follow_awaiting(policy):
     assert finished == {"d-full": FinishReason.LENGTH, "d-partial": FinishReason.LENGTH,
                         "d-pull": FinishReason.LENGTH, "d-fail": expected_fail}
     assert_scheduler_empty(sched)
+
+
+def test_d_request_with_prompt_logprobs_computes_its_prompt_and_releases_p():
+    """``prompt_logprobs`` makes vLLM skip the prefix cache and compute the whole prompt: KV loaded for it would
+    stand in for tokens whose logprobs it must compute. vLLM 0.32's scheduler ignores such a load itself; 0.23 took
+    it, and its engine died on the request (found by tests/e2e/test_openai_surface.py on 0.23)."""
+    sched = d_scheduler()
+    params = remote_params(40)
+    sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=params, prompt_logprobs=1))
+    st = step(sched)
+    assert st.so.num_scheduled_tokens == {"d1": 40}  # the whole prompt, on D
+    assert st.meta.pulls == [PullPlan("d1", RemotePrefill.from_params(params), (), (), awaiting=False)]  # release
+    steps = run_until_idle(sched)
+    assert collect_plans(steps) == []
+    assert_scheduler_empty(sched)

@@ -80,6 +80,10 @@ class Prompt:
 
     num_tokens: int
     digest: Callable[[int], str]
+    #: False for a request vLLM computes whole, skipping the prefix cache (``prompt_logprobs``): KV loaded for it
+    #: would stand in for tokens whose logprobs it must compute (vLLM 0.23 then ends D's engine; 0.32 ignores the
+    #: load itself).
+    loads_kv: bool = True
 
 
 @dataclass(frozen=True)

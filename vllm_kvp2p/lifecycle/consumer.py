@@ -141,8 +141,8 @@ class ConsumerSchedule:
         if request_id in self._planned:
             return 0, False
         verdict = self.verdict(request_id, params, prompt)
-        if verdict is None:
-            return 0, False
+        if verdict is None or not prompt.loads_kv:
+            return 0, False  # not a remote prefill, or vLLM computes the whole prompt (on_alloc releases P)
         if isinstance(verdict, Refused):
             count = prompt.num_tokens - 1 - num_local_computed
             return (count, True) if count > 0 else (0, False)

@@ -20,7 +20,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -66,16 +66,6 @@ def _vllm_version() -> tuple[int, int, int]:
 
 
 VLLM_VERSION = _vllm_version()
-
-
-#: issue 36: vLLM 0.32's scheduler gives a request that skips the prefix cache (one asking for prompt logprobs) no
-#: external tokens whatever the connector says; vLLM 0.23's asks the connector and takes its answer, which does not
-#: check that: D loads P's KV for the prompt, its prompt logprobs are left unset, and D's API server dies decoding
-#: them (OverflowError in convert_ids_list_to_tokens: every later request to D fails). Not sent there: it would take
-#: the session's D down for every later test.
-PROMPT_LOGPROBS_XFAIL: str | None = (
-    "issue 36: vLLM 0.23: prompt logprobs through P/D end D's API server (the connector loads P's KV for a request "
-    "that skips the prefix cache)" if VLLM_VERSION < (0, 32, 0) else None)
 
 
 def structured(kind: str, value: Any) -> dict[str, Any]:
@@ -352,8 +342,6 @@ CASES: list[Case] = [
                case={"xfail": BEAM_SEARCH_XFAIL, "run": False}),
 ]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
-CASES = [replace(c, xfail=PROMPT_LOGPROBS_XFAIL, run=False) if PROMPT_LOGPROBS_XFAIL and c.xfail is None
-         and not c.body.get("stream") and computes_prompt_itself(c.route, c.body) else c for c in CASES]
 CASES.sort(key=lambda c: c.xfail is not None)  # stable: the xfails last, their holds must not fail the others' check
 
 

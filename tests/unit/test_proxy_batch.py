@@ -119,7 +119,8 @@ def test_good_or_vllms_prompts_pass(prompt: object) -> None:
      ({"max_tokens": "many"}, "max_tokens"),
      ({"max_tokens": -1}, "max_tokens"),
      ({"use_beam_search": "perhaps"}, "use_beam_search"),
-     ({"use_beam_search": True, "logprob_token_ids": [1]}, "logprob_token_ids"),
+     ({"use_beam_search": True}, "use_beam_search"),  # P/D cannot serve it: no silent recompute on D
+     ({"use_beam_search": "yes", "n": 2}, "use_beam_search"),
      ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
      ({"prompt_embeds": ["e1", "e2"]}, "prompt_embeds")],
 )
@@ -152,9 +153,10 @@ def test_n_with_greedy_sampling_is_refused_as_vllm_does() -> None:
     for temperature in (0, 0.0, "0", 1e-6):
         err = refused({"prompt": "p", "n": 3, "temperature": temperature})
         assert err.param == "n" and err.message == "n must be 1 when using greedy sampling, got 3."
-    for body in ({"n": 3}, {"n": 3, "temperature": 0.7}, {"n": 1, "temperature": 0}, {"n": 3, "temperature": "x"},
-                 {"n": 3, "temperature": 0, "use_beam_search": True}):
+    for body in ({"n": 3}, {"n": 3, "temperature": 0.7}, {"n": 1, "temperature": 0}, {"n": 3, "temperature": "x"}):
         check_request({"prompt": "p", **body}, chat=False, limits=LIMITS)
+    # A greedy beam search of n beams is vLLM's to accept; the proxy refuses the beam search itself.
+    assert refused({"prompt": "p", "n": 3, "temperature": 0, "use_beam_search": True}).param == "use_beam_search"
     assert refused({"messages": [], "n": 2, "temperature": 0}, chat=True).param == "n"
 
 

@@ -113,15 +113,18 @@ def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
     stream = _bool_field(body, "stream")
     _check_stream_options(body)
     _check_token_counts(body, chat=chat)
-    _bool_field(body, "use_beam_search")
+    if _bool_field(body, "use_beam_search"):
+        # vLLM's beam search runs requests of its own without the prefill's kv_transfer_params: D would compute the
+        # prompt itself and P hold it for nobody until its hold timeout.
+        raise invalid("use_beam_search", "use_beam_search: the P/D proxy cannot disaggregate a beam search (vLLM "
+                                         "runs it as requests of its own, without the prefill's KV); send it to "
+                                         "one engine directly")
     # vLLM's cross-field checks on the values P does not see (its "before" validators read the raw values).
     if body.get("stream_options") and not body.get("stream"):
         raise invalid("stream_options", "Stream options can only be defined when `stream=True`.")
     prompt_logprobs = body.get("prompt_logprobs")
     if stream and isinstance(prompt_logprobs, (int, float)) and (prompt_logprobs > 0 or prompt_logprobs == -1):
         raise invalid("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
-    if body.get("use_beam_search") and body.get("logprob_token_ids"):
-        raise invalid("logprob_token_ids", "`logprob_token_ids` is not supported with beam search.")
 
 
 def check_n(body: dict[str, Any], *, chat: bool, limits: Limits) -> int:

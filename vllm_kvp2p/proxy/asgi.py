@@ -71,6 +71,16 @@ class ProxyASGI:
             await self.fallback(scope, receive, send)  # /health
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._serve(scope, receive, send, self.proxy.handle)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._serve(scope, receive, send, lambda body, headers, path: forward(self.proxy, path, body, headers))
+
+    @staticmethod
+    async def _serve(scope: Scope, receive: Receive, send: Send,
+                     handler: Callable[[bytes, dict[str, str], str], Awaitable[Answer | Relay]]) -> None:
+        """Read the body, run ``handler`` until it answers or the client leaves (then it is cancelled and
+        everything it held is released), send the answer (a stream relayed)."""
         try:
             body = await read_body(receive)
         except ClientGone:
@@ -78,25 +88,13 @@ class ProxyASGI:
         except ProxyError as exc:
             await send_answer(send, exc.to_answer())
             return
-        answer = await until_disconnect(self.proxy.handle(body, _headers(scope), scope["path"]), receive)
+        answer = await until_disconnect(handler(body, _headers(scope), scope["path"]), receive)
         if answer is None:
             return  # the client left: everything the request held is released already
         if isinstance(answer, Answer):
             await send_answer(send, answer)
         else:
             await relay(answer, receive, send)
-
-    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await read_body(receive)
-        except ClientGone:
-            return
-        except ProxyError as exc:
-            await send_answer(send, exc.to_answer())
-            return
-        answer = await until_disconnect(forward(self.proxy, scope["path"], body, _headers(scope)), receive)
-        if answer is not None:
-            await send_answer(send, answer)
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -499,6 +499,10 @@ def assert_same(pd: Answer, one: Answer, body: Json, names: str | None = None) -
             problems = usage_chunk_problems(answer.chunks or [], body)
             assert not problems, f"{who}: {problems}"
     found = differences(pd.json, one.json)
+    if pd.chunks is not None and body.get("return_tokens_as_token_ids"):
+        # vLLM streams text_offset from the text's length, not the "token_id:N" strings': reassembled, it depends
+        # on how the tokens fell into chunks (seen on 0.23 under load), on one instance too.
+        found = [f for f in found if ".text_offset[" not in f]
     assert not found, "P/D and one instance differ:\n" + "\n".join(found[:20])
 
 

@@ -355,7 +355,10 @@ def make_stub_app(stub: Stub) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": f"model-{stub.name}", "object": "model"}]})
+        # As vLLM lists them: its base models (COMPLETION's "m" among them), then each LoRA adapter with its parent.
+        return JSONResponse({"object": "list", "data": [
+            {"id": f"model-{stub.name}", "object": "model"}, {"id": "m", "object": "model", "parent": None},
+            {"id": "m-lora", "object": "model", "parent": "m"}]})
 
     return app
 

@@ -130,7 +130,9 @@ def front(name: str, engines: Engines, logs: Path, model: Path) -> Iterator[str]
                      "--decode-kv-events", engines.endpoint(engines.decode), "--hash-seed", HASH_SEED)
             if name == "proxy-prefix":
                 extra += ("--tokenizer", str(model))
-        proxy = ProxyProcess.start(urls, [engines.decode.url], logs / f"{name}.log", extra_args=extra)
+        # --cache-headers: the runs read X-KVP2P-Prefill-Cached-Tokens (off by default: an oracle over prompts).
+        proxy = ProxyProcess.start(urls, [engines.decode.url], logs / f"{name}.log",
+                                   extra_args=(*extra, "--cache-headers"))
         url, stop = proxy.url, proxy.stop
     else:
         policy = {"router-rr": "round_robin", "router-cache": "cache_aware", "router-kv": "kv_aware"}[name]

@@ -6,7 +6,7 @@ package.
 The engines set ``PYTHONHASHSEED`` and the routing proxy gets the same ``--hash-seed``: vLLM 0.23 hashes with a
 random per-process seed without it, so no router could match its hashes (vLLM 0.32's fixed default is covered by
 tests/unit/test_kv_events_vllm.py). Each P keeps 64 blocks of KV (4 MiB, one of them vLLM's null block): a few
-prompts evict the oldest.
+prompts evict the oldest. Both proxies run with ``--cache-headers``: the tests read the cached-token counts.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 HASH_SEED = "12345"
 P_KV_BYTES = 4 * 2**20  # 64 blocks of 32 tokens of the tiny model
+#: The tests read X-KVP2P-*-Cached-Tokens, which a proxy sends only when told (an oracle over other clients' prompts).
+CACHE_HEADERS = ("--cache-headers",)
 
 
 @dataclass
@@ -92,10 +94,10 @@ def routing_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routin
         cluster.proxy = ProxyProcess.start(
             urls, [decode.url], logs / "proxy.log",
             extra_args=("--prefill-kv-events", *(cluster.endpoints(p) for p in producers),
-                        "--decode-kv-events", cluster.endpoints(decode), "--hash-seed", HASH_SEED),
+                        "--decode-kv-events", cluster.endpoints(decode), "--hash-seed", HASH_SEED, *CACHE_HEADERS),
         )
         cluster.control = ProxyProcess.start(urls, [decode.url], logs / "control-proxy.log",
-                                             extra_args=("--routing", "least-outstanding"))
+                                             extra_args=("--routing", "least-outstanding", *CACHE_HEADERS))
         yield cluster
     finally:
         cluster.stop()

@@ -2,9 +2,10 @@
 
 In order (they share the engines and build on each other's caches): a served prompt appears in the proxy's index
 on the P that served it; a second prompt with that prefix goes to that P and hits its prefix cache, where the
-least-outstanding control sends it to the other P and hits nothing; a text prompt is tokenized by a P and routed
-alike; after the P evicts, the index follows; a killed P is skipped after one failed request and routed to again
-within seconds of its restart, its index rebuilt from its new publisher.
+least-outstanding control sends it to the other P and hits nothing (a salted prompt with that prefix is routed by
+load, nothing counted); a text prompt is tokenized by a P and routed alike; after the P evicts, the index follows;
+a killed P is skipped after one failed request and routed to again within seconds of its restart, its index
+rebuilt from its new publisher. The proxies run with ``--cache-headers`` (conftest.py): the tests read the counts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logprob_gap, prompt_ids
-from tests.e2e_routing.conftest import HASH_SEED, RoutingCluster
+from tests.e2e_routing.conftest import CACHE_HEADERS, HASH_SEED, RoutingCluster
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.testing.cluster import ProxyProcess
 
@@ -89,6 +90,10 @@ def test_same_prefix_goes_to_the_holder_and_hits_its_cache_where_least_outstandi
         assert max_logprob_gap(r.json(), baseline(c, prompt)) <= LOGPROB_TOL
     gained = {p.url: p.metric(HITS) - hits_before[p.url] for p in c.producers}
     assert gained[holder] >= 3 * len(prefix), gained
+    # Another user's salted prompt with that prefix is not looked up under the unsalted hashes (token ids too):
+    # routed by load, nothing counted as cached (it was the prefix's length: an oracle through the salt).
+    r = route(c.proxy_url, prefix + prompt_ids(30, seed=13), cache_salt="another-user")
+    assert [r.headers[f"x-kvp2p-{role}-cached-tokens"] for role in ("prefill", "decode")] == ["0", "0"]
 
     # Control: least-outstanding alternates, so the same pattern lands every other request on the P without the
     # prefix, which computes it again.
@@ -134,7 +139,7 @@ def test_a_proxy_with_the_engines_tokenizer_gets_their_tokens_without_asking(
         [s.url for s in c.producers], [c.decode.url], tmp_path / "local-tokenizer-proxy.log",
         extra_args=("--prefill-kv-events", *(c.endpoints(s) for s in c.producers),
                     "--decode-kv-events", c.endpoints(c.decode), "--hash-seed", HASH_SEED,
-                    "--tokenizer", str(p.model_path)))
+                    "--tokenizer", str(p.model_path), *CACHE_HEADERS))
     try:
         text = " ".join(f"item{i}" for i in range(150))
         n = len(p.tokenize(text))

@@ -1082,7 +1082,8 @@ def test_prompts_without_tokens_are_routed_by_load_and_answered(
     """Prefix-aware routing with KV events configured: a text prompt whose /tokenize fails (these stubs have none)
     is still answered, routed by load, and counted; a token-id prompt needs no /tokenize at all."""
     nowhere = [("tcp://127.0.0.1:9", None)]  # ZMQ connects lazily: nothing listens, nothing arrives
-    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere)
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=nowhere, decode_events=nowhere,
+                     cache_headers=True)
     r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200 and r.headers["x-kvp2p-prefill-cached-tokens"] == "0"
     routing = proxy_health(url)["routing"]

@@ -1,12 +1,14 @@
-"""Issue 37 item 4, no cache oracle: a request vLLM hashes with extra keys (``cache_salt``, a LoRA adapter,
-multimodal content, prompt embeddings) is routed by load whatever form its prompt has: :func:`why_not_hashed`
-(pure, every combination) and the real :class:`PromptReader`, then the proxy run for real against test_proxy.py's
-stub engines."""
+"""Issue 37 item 4, no cache oracle: the proxy's answers tell no client what is cached unless ``--cache-headers``
+says so, and a request vLLM hashes with extra keys (``cache_salt``, a LoRA adapter, multimodal content, prompt
+embeddings) is routed by load whatever form its prompt has: :func:`why_not_hashed` (pure, every combination) and
+the real :class:`PromptReader`, then the proxy run for real against test_proxy.py's stub engines."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +16,9 @@ import httpx
 import pytest
 
 from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, Stub
+from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, Stub
 from vllm_kvp2p.proxy.block_hashes import make_hasher
+from vllm_kvp2p.proxy.cli import build_parser
 from vllm_kvp2p.proxy.prompt_tokens import (
     MODELS_RETRY_S,
     PromptReader,
@@ -32,6 +35,8 @@ make_proxy = harness.make_proxy
 pytestmark = pytest.mark.timeout(30)
 
 NOWHERE = [("tcp://127.0.0.1:9", None)]  # KV events configured (prompts read and hashed); nothing arrives
+CACHE_HEADERS = ("x-kvp2p-prefill-cached-tokens", "x-kvp2p-decode-cached-tokens")
+KEPT_HEADERS = ("x-kvp2p-prefill-instance", "x-kvp2p-decode-instance", "x-kvp2p-route-ms", "x-kvp2p-prefill-ms")
 TOKENS = list(range(70))
 TEXT_PART = {"type": "text", "text": "what is in it?"}
 IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -170,7 +175,60 @@ def test_without_v1_models_only_the_body_counts_and_it_is_asked_again_later(monk
     assert len(client.calls) == 2 and reader.base_models == frozenset({"base"})
 
 
-# -- through the proxy -------------------------------------------------------------------------------------------
+# -- the headers, through the proxy ------------------------------------------------------------------------------
+
+
+def answers(url: str, stubs: dict[str, Stub]) -> dict[str, httpx.Response]:
+    """One answer of every kind the proxy gives after routing."""
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(url + path, json=body, timeout=CLIENT_TIMEOUT)
+
+    out = {
+        "json": post("/v1/completions", {**COMPLETION, "prompt": TOKENS}),
+        "text": post("/v1/completions", COMPLETION),
+        "chat": post("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        "batch": post("/v1/completions", {**COMPLETION, "prompt": [TOKENS, [1, 2, 3]]}),
+    }
+    with httpx.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True},
+                      timeout=CLIENT_TIMEOUT) as r:
+        r.read()
+        out["stream"] = r
+    stubs["D0"].mode = "400"  # D's 4xx passed through carries the routing headers too
+    out["d-400"] = post("/v1/completions", COMPLETION)
+    stubs["D0"].mode = "ok"
+    return out
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["by-load", "by-kv-events"])
+def test_the_default_proxy_tells_no_client_what_is_cached(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str], caplog: pytest.LogCaptureFixture, events: bool
+) -> None:
+    """No X-KVP2P-*-Cached-Tokens on any answer, not even "0" (batches included: they join the parts' headers);
+    the instances and times stay, and the proxy's log line keeps the counts."""
+    caplog.set_level(logging.INFO, logger="vllm_kvp2p.proxy")
+    kwargs: dict[str, Any] = {"prefill_events": NOWHERE, "decode_events": NOWHERE} if events else {}
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], **kwargs)
+    got = answers(url, stubs)
+    assert [r.status_code for r in got.values()] == [200, 200, 200, 200, 200, 400]
+    for kind, r in got.items():
+        assert not any(h in r.headers for h in CACHE_HEADERS), (kind, dict(r.headers))
+        if kind != "stream":
+            assert all(h in r.headers for h in KEPT_HEADERS), (kind, dict(r.headers))
+    assert len(got["batch"].headers["x-kvp2p-prefill-instance"].split(",")) == 2
+    counts = [m for m in caplog.messages if re.search(r" ms, 0 tokens cached\) -> decode \S+ \(0 cached\)", m)]
+    assert len(counts) == 7, caplog.messages  # one per prompt routed (the batch's two included)
+
+
+def test_with_cache_headers_every_answer_says_what_is_cached(
+    stubs: dict[str, Stub], make_proxy: Callable[..., str]
+) -> None:
+    url = make_proxy([stubs["P0"].url], [stubs["D0"].url], prefill_events=NOWHERE, decode_events=NOWHERE,
+                     cache_headers=True)
+    got = answers(url, stubs)
+    for kind in ("json", "text", "chat", "d-400"):
+        assert [got[kind].headers.get(h) for h in CACHE_HEADERS] == ["0", "0"], kind
+    assert [got["batch"].headers.get(h) for h in CACHE_HEADERS] == ["0,0", "0,0"]
+    assert got["stream"].headers.get(CACHE_HEADERS[0]) == "0"
 
 
 def test_a_multimodal_chat_request_is_not_tokenized(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
@@ -186,3 +244,23 @@ def test_a_multimodal_chat_request_is_not_tokenized(stubs: dict[str, Stub], make
     assert [q["path"] for q in stubs["P0"].received] == ["/tokenize"] + ["/v1/chat/completions"] * 4
     routing = harness.proxy_health(url)["routing"]
     assert (routing["tokenized_by_p"], routing["tokenize_failures"]) == (1, 0)
+
+
+def test_cli_cache_headers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kvp2p.proxy import cli
+
+    parser = build_parser()
+    assert parser.parse_args(["--prefill", "p:1", "--decode", "d:1"]).cache_headers is False
+    assert parser.parse_args(["--prefill", "p:1", "--decode", "d:1", "--cache-headers"]).cache_headers is True
+    assert "other clients" in parser.format_help()
+    seen: dict[str, Any] = {}
+
+    def fake_create_app(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "create_app", fake_create_app)
+    for argv, expected in ((["--cache-headers"], True), ([], False)):
+        with pytest.raises(SystemExit):
+            cli.main(["--prefill", "p:1", "--decode", "d:1", *argv])
+        assert seen["cache_headers"] is expected

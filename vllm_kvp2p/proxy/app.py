@@ -72,6 +72,9 @@ DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
 DEFAULT_MAX_BATCH_CONCURRENCY = 8
 #: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
+#: The prompt tokens the proxy counted as cached on P and on D: sent only with ``--cache-headers`` (an oracle over
+#: other clients' prompts: guess a prefix, read how much of it is cached).
+CACHE_HEADERS = ("X-KVP2P-Prefill-Cached-Tokens", "X-KVP2P-Decode-Cached-Tokens")
 
 class PrefillLost(ProxyError):
     """P went away before answering (:func:`~vllm_kvp2p.proxy.upstream.went_away`): the prefill can be retried."""
@@ -97,6 +100,7 @@ class PDProxy:
         prompts: PromptReader | None = None,
         limits: Limits | None = None,
         max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
+        cache_headers: bool = False,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
@@ -113,6 +117,9 @@ class PDProxy:
         #: Bounds on a request's n and batch (validation.py), and how many prompts of one batch run at once.
         self.limits = limits or Limits()
         self.max_batch_concurrency = max_batch_concurrency
+        #: Whether answers carry :data:`CACHE_HEADERS` (``--cache-headers``): off, a client cannot learn from them
+        #: which prefixes other clients' prompts share. The log line has the counts either way.
+        self.cache_headers = cache_headers
         #: Prefill requests retried because their first P went away before answering (see the module doc).
         self.prefill_retries = 0
         self._client: Upstream | None = None
@@ -313,11 +320,12 @@ class PDProxy:
             "X-KVP2P-Prefill-Instance": p_lease.url,
             "X-KVP2P-Route-Ms": f"{route_ms:.1f}",
             "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}",
-            "X-KVP2P-Prefill-Cached-Tokens": str(p_lease.cached_tokens),
         }
         d_lease = self.decode.acquire(prompt=prompt)
         info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
-        info_headers["X-KVP2P-Decode-Cached-Tokens"] = str(d_lease.cached_tokens)
+        if self.cache_headers:
+            info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
+                                    strict=True))
         logger.info(
             "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in %.1f ms",
             rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url, d_lease.cached_tokens, route_ms,

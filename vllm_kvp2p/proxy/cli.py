@@ -191,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "completion prompts are then tokenized in the proxy instead of by a P's /tokenize (needs transformers; "
         "chat requests still use /tokenize)",
     )
+    routing.add_argument(
+        "--cache-headers",
+        action="store_true",
+        help="add X-KVP2P-Prefill-Cached-Tokens and X-KVP2P-Decode-Cached-Tokens (the prompt tokens counted as "
+        "cached on P and D) to every answer. Off by default: with them any client learns which prefixes other "
+        "clients' prompts share (guess a prompt's start, read how much of it is cached), the side channel vLLM's "
+        "cache_salt closes. Only where every client is trusted (tests, benchmarks); the log has the counts anyway",
+    )
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, type=str.lower)
     return p
 
@@ -281,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_n=args.max_n,
             max_batch_prompts=args.max_batch_prompts,
             max_batch_concurrency=args.max_batch_concurrency,
+            cache_headers=args.cache_headers,
         )
     except (ValueError, HashSettingsError) as exc:
         parser.error(str(exc))

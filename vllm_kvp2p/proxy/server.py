@@ -52,6 +52,7 @@ def create_app(
     max_n: int = DEFAULT_MAX_N,
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
     max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
+    cache_headers: bool = False,
 ) -> ProxyASGI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -69,6 +70,8 @@ def create_app(
     than ask a P's ``/tokenize`` (raises :class:`~vllm_kvp2p.proxy.local_tokenizer.TokenizerSettingsError`).
     ``max_n`` bounds a request's ``n``, ``max_batch_prompts`` the prompts of one batched completion request (400
     past either, before any P is asked); a batch runs ``max_batch_concurrency`` prompts at once (docs/api.md).
+    ``cache_headers`` adds ``X-KVP2P-Prefill-Cached-Tokens`` / ``X-KVP2P-Decode-Cached-Tokens`` to every answer:
+    off by default, since any client could then learn which prefixes other clients' prompts share.
     The :class:`PDProxy` is available as ``app.proxy``.
     """
     if not 0 <= prefix_weight <= 100:
@@ -99,6 +102,7 @@ def create_app(
             hasher, timeout_s=tokenize_timeout_s, local_tokenizer=LocalTokenizer(tokenizer) if tokenizer else None),
         limits=Limits(max_n=max_n, max_batch_prompts=max_batch_prompts),
         max_batch_concurrency=max_batch_concurrency,
+        cache_headers=cache_headers,
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:
         logger.info(

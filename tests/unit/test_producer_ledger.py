@@ -666,3 +666,20 @@ def test_a_claim_without_deadline_ms_decodes_as_not_given() -> None:
     assert decode_request(older) == Claim("r", "h", "d:0", 1)
     assert decode_request(older).deadline_ms == 0
     assert decode_request(encode(Claim("r", "h", "d:0", 1, deadline_ms=WALL))).deadline_ms == WALL
+
+
+def test_an_integrity_question_may_name_only_the_units_of_the_readers_live_hold() -> None:
+    """verifiable_units: the blocks the hold offered, per group, in the planes of that group, and only while the
+    asking reader's lease is live and the release carries its token."""
+    lg = ledger()
+    lg.hold("r1", "h", now=0, num_blocks=9, blocks=((3, 4, 5), (8,)))
+    lg.hold("r2", "h", now=0, num_blocks=2, blocks=((6, 7),))
+    token = lg.claim("r1", "h", "d:0", 1, now=1).lease_token
+    units = lg.verifiable_units("r1", "h", "d:0", 2, token, plane_groups=(0, 1, 0))
+    assert units is not None and len(units) == 3 + 1 + 3
+    assert {(0, 3), (2, 5), (1, 8)} <= {(p, b) for p in range(3) for b in range(10) if (p, b) in units}
+    assert (1, 3) not in units and (0, 8) not in units and (0, 6) not in units  # another group's, another hold's
+    assert lg.verifiable_units("r1", "h", "d:0", 2, "tok-forged", (0, 1, 0)) is None
+    assert lg.verifiable_units("r1", "h", "d:9", 2, token, (0, 1, 0)) is None  # not this reader's lease
+    assert lg.verifiable_units("r2", "h", "d:0", 2, token, (0, 1, 0)) is None  # a hold it never claimed
+    assert lg.verifiable_units("r1", "h", "d:0", 5.5, token, (0, 1, 0)) is None  # the lease lapsed (4 s)

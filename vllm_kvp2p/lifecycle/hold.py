@@ -5,9 +5,11 @@ readers. Pure: no sockets, threads, clocks or torch. Its own methods keep its in
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 Key = tuple[str, str]  # (request id, hold id)
+Blocks = tuple[tuple[int, ...], ...]  # block ids per KV-cache group (vLLM's order of transfer groups)
 
 
 class HoldState(enum.Enum):
@@ -35,6 +37,33 @@ class Lease:
         return Lease(max(self.until, min(now + lease_timeout, self.cap)), self.cap, self.token, self.claim_id)
 
 
+@dataclass(frozen=True)
+class HeldUnits:
+    """The units (plane, block) of one hold on one P rank: plane ``p`` holds the blocks of its KV-cache group
+    ``plane_groups[p]``, those the params offered for that group. What a reader of the hold may ask P about
+    (vllm_kvp2p/lifecycle/integrity.query_problem)."""
+
+    blocks: tuple[frozenset[int], ...]  # per group
+    plane_groups: tuple[int, ...]  # group of each plane (RankRegistration.group_of_planes())
+
+    @classmethod
+    def of(cls, blocks: Blocks, plane_groups: Sequence[int]) -> HeldUnits:
+        return cls(tuple(frozenset(ids) for ids in blocks), tuple(plane_groups))
+
+    def blocks_of(self, plane: int) -> frozenset[int]:
+        """The hold's blocks in ``plane`` (none for a plane or group it does not have)."""
+        group = self.plane_groups[plane] if 0 <= plane < len(self.plane_groups) else -1
+        return self.blocks[group] if 0 <= group < len(self.blocks) else frozenset()
+
+    def __contains__(self, unit: object) -> bool:
+        if not isinstance(unit, tuple) or len(unit) != 2:
+            return False
+        return unit[1] in self.blocks_of(unit[0])
+
+    def __len__(self) -> int:
+        return sum(len(self.blocks_of(p)) for p in range(len(self.plane_groups)))
+
+
 @dataclass
 class Hold:
     request_id: str
@@ -42,7 +71,8 @@ class Hold:
     hold_deadline: float
     pin_deadline: float  # hard: no lease runs past it
     created: float
-    num_blocks: int = 0
+    num_blocks: int = 0  # every block vLLM keeps for it, all groups (the blocks-held gauge)
+    blocks: Blocks = ()  # the blocks offered to decoders, per group: the only ones a reader may ask P about
     state: HoldState = HoldState.HELD
     expected_readers: int = 1
     leases: dict[str, Lease] = field(default_factory=dict)  # reader -> its live lease

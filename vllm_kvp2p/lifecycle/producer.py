@@ -48,10 +48,10 @@ import heapq
 import itertools
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_kvp2p.lifecycle.hold import Hold, HoldState, Key, Lease
+from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
 
 MAX_HOLDS = 65536
@@ -155,8 +155,8 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ events from vLLM
 
-    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0) -> None:
-        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder."""
+    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0, blocks: Blocks = ()) -> None:
+        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder, offering ``blocks`` (per group)."""
         key = (request_id, hold_id)
         if key in self._holds or key in self._tombstones:
             self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
@@ -168,7 +168,7 @@ class ProducerLedger:
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
-                     created=now, num_blocks=max(0, num_blocks))
+                     created=now, num_blocks=max(0, num_blocks), blocks=blocks)
         self._holds[key] = hold
         self.tally["created"] += 1
         self.blocks_held += hold.num_blocks
@@ -267,15 +267,18 @@ class ProducerLedger:
         hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
-    def verifiable_blocks(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str) -> int:
-        """How many blocks an integrity question from ``reader`` may cover (vllm_kvp2p/lifecycle/integrity.py): the
-        hold's block count while that reader's lease on it is live and the release carries its token, else 0 (P
-        answers nothing: its blocks may not be the ones the reader read)."""
+    def verifiable_units(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str,
+                         plane_groups: Sequence[int]) -> HeldUnits | None:
+        """The units an integrity question from ``reader`` may name (vllm_kvp2p/lifecycle/integrity.py): those of the
+        hold's offered blocks, a plane holding its group's, while that reader's lease is live and the release
+        carries its token; else None (P answers nothing: its blocks may not be the ones the reader read)."""
         hold = self._holds.get((request_id, hold_id))
         lease = hold.leases.get(reader) if hold is not None else None
         if hold is None or lease is None or lease.until <= now:
-            return 0
-        return hold.num_blocks if secrets.compare_digest(lease_token.encode(), lease.token.encode()) else 0
+            return None
+        if not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
+            return None
+        return HeldUnits.of(hold.blocks, plane_groups)
 
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",

@@ -9,13 +9,13 @@ Integrity questions (D's release asks P's sums of the bytes it read, vllm_kvp2p/
 answered only about the asking reader's own hold and within its bytes (``query_problem``), and summed on a thread
 of their own, not the side channel's: the release is answered once its sums are done (the side channel defers
 that answer and meanwhile serves every other claim, renewal and release of this rank). Why a thread and not only
-the byte bound: the bound makes a question cost at most what an honest full-mode question about the largest hold
-costs, and that is long. A question names at most 4096 units (a 64 KiB frame); one unit of a dense 8B model at
-block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x 128 tokens), so a hold of a 16k-token prompt
-(4096 block-layers) admits a 2 GiB question, ~4 s of sums at the ~1.9 ms/MiB a CPU sums at (docs/performance.md
-15). The thread takes one question at a time, at most ``MAX_PENDING_QUESTIONS`` wait (more are answered at once
-without sums: D counts those pulls unverified), and a release resent while its sums run (D's client resends after
-0.5 s) waits for the same answer instead of summing again.
+the byte bound: the bound makes a question cost at most a pass over the bytes one honest pull of the hold moved,
+and for a large hold that is long. A question names at most 4096 units (a 64 KiB frame); one unit of a dense 8B
+model at TP 1 and block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x 128 tokens), so the hold of a
+16k-token prompt (4096 block-layers) admits a 2 GiB question: 2.4-3.3 s of one core at the 1.2-1.6 ms/MiB
+measured (one torch thread; docs/reliability.md). The thread takes one question at a time; at most
+``MAX_PENDING_QUESTIONS`` wait (more are answered at once without sums: D counts those pulls unverified); a
+release resent while its sums run (D's client resends after 0.5 s) waits for the same answer, not a second sum.
 """
 
 from __future__ import annotations

@@ -61,8 +61,6 @@ MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
 STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
 
-_Key = Key
-
 
 @dataclass(frozen=True)
 class LedgerEvent:
@@ -102,17 +100,17 @@ class ProducerLedger:
         self.max_early_releases = max_early_releases
         self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
-        self._holds: dict[_Key, Hold] = {}
+        self._holds: dict[Key, Hold] = {}
         self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
         # (deadline, sequence, hold): each live hold's current entry (its ``due``), and stale ones (the hold is gone,
         # or its deadline moved earlier), skipped when they come up and rebuilt away when they are many.
-        self._deadlines: list[tuple[float, int, _Key]] = []
+        self._deadlines: list[tuple[float, int, Key]] = []
         self._sequence = itertools.count()
         # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
-        self._early: dict[_Key, _EarlyRelease] = {}
+        self._early: dict[Key, _EarlyRelease] = {}
         # Final states of recent holds, so a late claim is refused with the real reason.
-        self._tombstones: OrderedDict[_Key, HoldState] = OrderedDict()
-        self._confirmed: dict[_Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
+        self._tombstones: OrderedDict[Key, HoldState] = OrderedDict()
+        self._confirmed: dict[Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
         self._tombstone_limit = tombstones
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []

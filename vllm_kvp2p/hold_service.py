@@ -153,7 +153,7 @@ class HoldService:
 
     def table_sizes(self) -> dict[str, int]:
         with self._lock:
-            return {**self.ledger.table_sizes(), "questions_waiting": len(self._pending)}
+            return self.ledger.table_sizes()
 
     def take_metrics(self) -> tuple[dict[str, int], dict[str, int], int, float]:
         """Since the last call: holds created / released / expired and claims refused, side-channel messages

@@ -9,11 +9,12 @@ release of the hold (P still holds the blocks while it answers), the answer in P
 trip. A P that does not answer it (an older release) leaves the pull *unverified*, counted, not failed.
 
 Whoever reaches P's side channel may send a question, so P answers one (:func:`query_problem`) only from a reader
-whose lease on the hold is live, and only about what that reader can have read: units of its own hold (the blocks
-the params offered, per KV-cache group, in the planes of that group), each named once, ranges sorted, disjoint and
-inside the block, at most the hold's bytes in all. Otherwise two ranges ``[o, 1, o + 1, 1]`` of a block outside
-the hold give ``total = a + b`` and ``weighted = (o + 1) a + (o + 2) b``: two bytes of another request's KV; and
-overlapping ranges repeated inside a unit make one 64 KiB frame cost P ~0.5 GiB of sums.
+whose lease on the hold is live, and only about what that reader can have read: bytes of its own hold (the blocks
+the params offered, per KV-cache group, in the planes of that group: lifecycle/hold.HeldUnits), each unit named
+once, ranges sorted, disjoint and inside the block, at most the hold's bytes in all. Otherwise two ranges
+``[o, 1, o + 1, 1]`` of a block outside the hold give ``total = a + b`` and ``weighted = (o + 1) a + (o + 2) b``:
+two bytes of another request's KV; and a range repeated inside a unit multiplies what one 64 KiB frame makes P
+sum (15,000 copies of one 8 KiB block: 117 MiB for a hold of 48 KiB).
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ class HoldService:
             if release.verify is None or self._digester is None:
                 return None
             held = self.ledger.verifiable_units(release.request_id, release.hold_id, release.reader, self._clock(),
-                                                release.lease_token, self._plane_groups)
+                                                release.lease_token, self.registration.planes, self._plane_groups)
         if held is None:
             logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
                          release.request_id, release.reader)

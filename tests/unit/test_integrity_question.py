@@ -69,7 +69,7 @@ def test_a_descriptor_outside_p_planes_is_a_bug_not_silence() -> None:
         verification_for(Descriptors([0], [0x80000 + 1024 + 8], [4]), P_PLANES, IntegrityMode.FULL, 1)
 
 
-EVERY_BLOCK = HeldUnits.of((tuple(range(16)),), (0, 0))  # a hold of all 16 blocks of both planes
+EVERY_BLOCK = HeldUnits.of((tuple(range(16)),), (0, 0), P_PLANES)  # a hold of all 16 blocks of both planes
 
 
 @pytest.mark.parametrize(("query", "why"), [
@@ -89,15 +89,33 @@ def test_p_answers_no_question_outside_what_it_has(query: DigestQuery, why: str)
 
 
 def test_only_units_of_the_readers_hold_are_answered_a_plane_holding_its_groups_blocks() -> None:
-    held = HeldUnits.of(((3, 4), (9,)), (0, 1))  # plane 0 in group 0 (blocks 3, 4), plane 1 in group 1 (block 9)
-    assert len(held) == 3 and (0, 3) in held and (1, 9) in held and (1, 3) not in held and (0, 9) not in held
+    held = HeldUnits.of(((3, 4), (9,)), (0, 1), P_PLANES)  # plane 0 in group 0 (blocks 3, 4), plane 1 in group 1 (9)
+    assert held.bytes == 3 * 1024 and (0, 3) in held and (1, 9) in held and (1, 3) not in held and (0, 9) not in held
     assert (5, 3) not in held and (-1, 3) not in held  # no such plane
     assert query_problem(DigestQuery([UnitRanges(0, 3, [0, 1024]), UnitRanges(1, 9, [0, 1024])]), P_PLANES,
                          held) == ""
     for plane, block in ((0, 5), (1, 3), (0, 9)):
         problem = query_problem(DigestQuery([UnitRanges(plane, block, [0, 1])]), P_PLANES, held)
         assert "not a block of this hold" in problem, (plane, block)
-    assert "not a block" in query_problem(DigestQuery([UnitRanges(0, 3, [0, 1])]), P_PLANES, HeldUnits.of((), (0, 0)))
+    nothing = HeldUnits.of((), (0, 0), P_PLANES)
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(0, 3, [0, 1])]), P_PLANES, nothing)
+
+
+def test_planes_of_two_groups_over_one_memory_are_answered_by_bytes() -> None:
+    """vLLM's hybrid allocator gives layers of two groups one tensor: plane 1 (group 1) lies over plane 0's memory
+    (group 0), and D names a unit by the plane its address falls in, so a block of group 1 may come as plane 0's. P
+    answers by bytes held: block 5 of either plane is held (group 1 offered it), block 6 of neither."""
+    planes = [PlaneGeometry(0x10000, 1024, 1024, 16), PlaneGeometry(0x10000, 1024, 1024, 16)]
+    held = HeldUnits.of(((3,), (5,)), (0, 1), planes)
+    assert held.bytes == 2 * 1024  # each byte once, whichever planes share it
+    assert query_problem(DigestQuery([UnitRanges(0, 5, [0, 1024])]), planes, held) == ""
+    assert query_problem(DigestQuery([UnitRanges(1, 3, [0, 1024])]), planes, held) == ""
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(0, 6, [0, 1])]), planes, held)
+    # A plane of another stride over the same memory (a state page of 2 attention blocks): half of it held.
+    paged = [planes[0], PlaneGeometry(0x10000, 2048, 2048, 8)]
+    half = HeldUnits.of(((4,), ()), (0, 1), paged)  # attention block 4: the first half of page 2
+    assert query_problem(DigestQuery([UnitRanges(1, 2, [0, 1024])]), paged, half) == ""
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(1, 2, [0, 1025])]), paged, half)
 
 
 @pytest.mark.parametrize(("ranges", "why"), [
@@ -123,7 +141,7 @@ def test_the_byte_bound_alone_refuses_what_overlaps_and_repeats_would_multiply(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The byte bound follows from the rules before it; on its own (those dropped) it still refuses a question
     over the hold's bytes, and without any of the three P would sum 16,000 times one block's bytes."""
-    held = HeldUnits.of(((1, 2),), (0, 0))  # 2 blocks x 2 planes x 1024 B = 4096 B
+    held = HeldUnits.of(((1, 2),), (0, 0), P_PLANES)  # 2 blocks x 2 planes x 1024 B = 4096 B
     query = DigestQuery([UnitRanges(0, 1, [0, 1024] * 16_000)])
     assert "overlaps" in query_problem(query, P_PLANES, held)
     rules = integrity.QUESTION_RULES

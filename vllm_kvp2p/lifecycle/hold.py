@@ -4,9 +4,12 @@ readers. Pure: no sockets, threads, clocks or torch. Its own methods keep its in
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 Key = tuple[str, str]  # (request id, hold id)
 Blocks = tuple[tuple[int, ...], ...]  # block ids per KV-cache group (vLLM's order of transfer groups)
@@ -39,29 +42,50 @@ class Lease:
 
 @dataclass(frozen=True)
 class HeldUnits:
-    """The units (plane, block) of one hold on one P rank: plane ``p`` holds the blocks of its KV-cache group
-    ``plane_groups[p]``, those the params offered for that group. What a reader of the hold may ask P about
-    (vllm_kvp2p/lifecycle/integrity.query_problem)."""
+    """What a reader of one hold may ask P about (vllm_kvp2p/lifecycle/integrity.query_problem): the bytes of the
+    blocks the params offered, per KV-cache group, in every plane of that group (``plane_groups[p]``), as merged
+    address spans. Bytes, not (plane, block) pairs: vLLM's hybrid allocator gives layers of several groups one
+    tensor, so planes of different groups share memory, and D names a unit by the plane its address falls in
+    (lifecycle/integrity.verification_for: by base address), which may be another group's plane over those bytes."""
 
-    blocks: tuple[frozenset[int], ...]  # per group
-    plane_groups: tuple[int, ...]  # group of each plane (RankRegistration.group_of_planes())
+    planes: tuple[PlaneGeometry, ...]
+    starts: tuple[int, ...]  # merged spans [starts[i], ends[i]), sorted
+    ends: tuple[int, ...]
 
     @classmethod
-    def of(cls, blocks: Blocks, plane_groups: Sequence[int]) -> HeldUnits:
-        return cls(tuple(frozenset(ids) for ids in blocks), tuple(plane_groups))
+    def of(cls, blocks: Blocks, plane_groups: Sequence[int], planes: Sequence[PlaneGeometry]) -> HeldUnits:
+        spans = sorted((plane.base_addr + b * plane.block_stride, plane.block_bytes)
+                       for plane, group in zip(planes, plane_groups) if 0 <= group < len(blocks)
+                       for b in set(blocks[group]) if 0 <= b < plane.num_blocks)
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, length in spans:
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], start + length)
+            else:
+                starts.append(start)
+                ends.append(start + length)
+        return cls(tuple(planes), tuple(starts), tuple(ends))
 
-    def blocks_of(self, plane: int) -> frozenset[int]:
-        """The hold's blocks in ``plane`` (none for a plane or group it does not have)."""
-        group = self.plane_groups[plane] if 0 <= plane < len(self.plane_groups) else -1
-        return self.blocks[group] if 0 <= group < len(self.blocks) else frozenset()
+    @property
+    def bytes(self) -> int:
+        """Bytes held (each once, whichever planes share them): the most one reader's pull can have moved."""
+        return sum(self.ends) - sum(self.starts)
+
+    def covers(self, plane: int, block: int, offset: int, end: int) -> bool:
+        """Whether bytes ``offset`` .. ``end`` of ``block`` of ``plane`` are all held."""
+        if not 0 <= plane < len(self.planes):
+            return False
+        geometry = self.planes[plane]
+        start = geometry.base_addr + block * geometry.block_stride
+        at = bisect.bisect_right(self.starts, start + offset) - 1
+        return at >= 0 and start + end <= self.ends[at]
 
     def __contains__(self, unit: object) -> bool:
-        if not isinstance(unit, tuple) or len(unit) != 2:
+        """Whether a whole unit ``(plane, block)`` is held."""
+        if not (isinstance(unit, tuple) and len(unit) == 2 and 0 <= unit[0] < len(self.planes)):
             return False
-        return unit[1] in self.blocks_of(unit[0])
-
-    def __len__(self) -> int:
-        return sum(len(self.blocks_of(p)) for p in range(len(self.plane_groups)))
+        return self.covers(unit[0], unit[1], 0, self.planes[unit[0]].block_bytes)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import enum
 import hashlib
+import operator
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -190,9 +191,11 @@ def _inside_p_blocks(query: DigestQuery, planes: Sequence[PlaneGeometry], held: 
 
 
 def _inside_the_hold(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
-    """Only the reader's own hold: any other block is another request's KV (or a freed one's)."""
+    """Only bytes of the reader's own hold: any other block is another request's KV (or a freed one's)."""
     for unit in query.units:
-        if (unit.plane, unit.block) not in held:
+        first = min(unit.ranges[::2], default=0)
+        end = max(map(operator.add, unit.ranges[::2], unit.ranges[1::2]), default=0)
+        if not held.covers(unit.plane, unit.block, first, end):
             return f"unit {unit.plane}/{unit.block}: not a block of this hold"
     return ""
 
@@ -214,10 +217,9 @@ def _ranges_sorted_and_disjoint(query: DigestQuery, planes: Sequence[PlaneGeomet
 
 
 def _bytes_within_the_hold(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
-    """At most the bytes the reader's pull can have moved from this rank: every unit of its hold, whole."""
+    """At most the bytes the reader's pull can have moved from this rank: every byte of its hold, once."""
     asked = sum(sum(u.ranges[1::2]) for u in query.units)
-    bound = sum(len(held.blocks_of(p)) * plane.block_bytes for p, plane in enumerate(planes))
-    return f"{asked} bytes asked, more than the hold's {bound}" if asked > bound else ""
+    return f"{asked} bytes asked, more than the hold's {held.bytes}" if asked > held.bytes else ""
 
 
 Rule = Callable[[DigestQuery, Sequence[PlaneGeometry], HeldUnits], str]

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
@@ -266,17 +267,17 @@ class ProducerLedger:
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
     def verifiable_units(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str,
-                         plane_groups: Sequence[int]) -> HeldUnits | None:
-        """The units an integrity question from ``reader`` may name (vllm_kvp2p/lifecycle/integrity.py): those of the
-        hold's offered blocks, a plane holding its group's, while that reader's lease is live and the release
-        carries its token; else None (P answers nothing: its blocks may not be the ones the reader read)."""
+                         planes: Sequence[PlaneGeometry], plane_groups: Sequence[int]) -> HeldUnits | None:
+        """What an integrity question from ``reader`` may name (vllm_kvp2p/lifecycle/integrity.py): the hold's offered
+        blocks in the ``planes`` of their group, while that reader's lease is live and the release carries its token;
+        else None (P answers nothing: its blocks may not be the ones the reader read)."""
         hold = self._holds.get((request_id, hold_id))
         lease = hold.leases.get(reader) if hold is not None else None
         if hold is None or lease is None or lease.until <= now:
             return None
         if not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
             return None
-        return HeldUnits.of(hold.blocks, plane_groups)
+        return HeldUnits.of(hold.blocks, plane_groups, planes)
 
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",

@@ -6,9 +6,10 @@ from the side channel, the passing of time) and logs what it reports. A refusal 
 of those not logged since; the ledger's ``counters`` have them all.
 
 Integrity questions (D's release asks P's sums of the bytes it read, vllm_kvp2p/lifecycle/integrity.py) are
-answered only about the asking reader's own hold and within its bytes (``query_problem``), and summed on a thread
-of their own, not the side channel's: the release is answered once its sums are done (the side channel defers
-that answer and meanwhile serves every other claim, renewal and release of this rank). Why a thread and not only
+answered only about the asking reader's own hold and within its bytes (``query_problem``), and checked and summed
+on a thread of their own, not the side channel's (which only checks the lease and queues the question): the
+release is answered once its sums are done (the side channel defers that answer and meanwhile serves every other
+claim, renewal and release of this rank). Why a thread and not only
 the byte bound: the bound makes a question cost at most a pass over the bytes one honest pull of the hold moved,
 and for a large hold that is long. A question names at most 4096 units (a 64 KiB frame); one unit of a dense 8B
 model at TP 1 and block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x 128 tokens), so the hold of a
@@ -30,6 +31,7 @@ from concurrent.futures import Future
 import msgspec
 
 from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.lifecycle.hold import HeldUnits
 from vllm_kvp2p.lifecycle.integrity import query_problem
 from vllm_kvp2p.lifecycle.producer import (
     CLOCK_SKEW,
@@ -109,7 +111,7 @@ class HoldService:
         self._plane_groups = registration.group_of_planes()
         # Releases whose question is being summed, and the answer each will get; the questions, in order.
         self._pending: dict[_ReleaseKey, tuple[Release, Future[Reply]]] = {}
-        self._questions: queue.SimpleQueue[tuple[Release, Future[Reply]] | None] = queue.SimpleQueue()
+        self._questions: queue.SimpleQueue[tuple[Release, HeldUnits, Future[Reply]] | None] = queue.SimpleQueue()
         self._summer = threading.Thread(target=self._sum_questions, name=f"kvp2p-digest:{port}", daemon=True)
         self._summer.start()
         self._server = SideChannelServer(
@@ -220,9 +222,9 @@ class HoldService:
         return Released(held, sums if held else None)
 
     def _defer(self, release: Release) -> Reply | Future[Reply] | None:
-        """On the side-channel thread: the answer to a release whose question P sums on its own thread (a Future),
-        one for a release while this reader's is being summed, or None: handled at once (no question, or none P
-        answers: vllm_kvp2p/lifecycle/integrity.query_problem, the reader's lease not live, too many waiting)."""
+        """On the side-channel thread, in O(1): the answer to a release whose question P checks and sums on its own
+        thread (a Future), one for a release while this reader's is there, or None: handled at once (no question,
+        the reader's lease not live, or too many waiting)."""
         key = (release.request_id, release.hold_id, release.reader)
         with self._lock:
             waiting = self._pending.get(key)
@@ -234,35 +236,31 @@ class HoldService:
                 return None
             held = self.ledger.verifiable_units(release.request_id, release.hold_id, release.reader, self._clock(),
                                                 release.lease_token, self.registration.planes, self._plane_groups)
-        if held is None:
-            logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
-                         release.request_id, release.reader)
-            return None
-        problem = query_problem(release.verify, self.registration.planes, held)
-        with self._lock:
-            if not problem and len(self._pending) >= MAX_PENDING_QUESTIONS:
-                problem, reason = f"{MAX_PENDING_QUESTIONS} questions already wait", "integrity_questions_waiting"
-            else:
-                reason = "integrity_question_refused"
-            if problem:
-                self.ledger.counters[reason] += 1
-                self.ledger.events.append(LedgerEvent(
-                    release.request_id, f"integrity question of {release.reader} not answered: {problem}", reason))
-                self._log_events()
+            if held is None:
+                logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
+                             release.request_id, release.reader)
+                return None
+            if len(self._pending) >= MAX_PENDING_QUESTIONS:
+                self._refused(release, f"{MAX_PENDING_QUESTIONS} questions already wait", "integrity_questions_waiting")
                 return None
             future: Future[Reply] = Future()
             self._pending[key] = (release, future)
-        self._questions.put((release, future))
+        self._questions.put((release, held, future))
         return future
 
     def _sum_questions(self) -> None:
-        """The questions' thread: sums one question, then decides its release (under the lock) and sets its answer."""
+        """The questions' thread: checks and sums one question, then decides its release (under the lock) and sets
+        its answer."""
         while (item := self._questions.get()) is not None:
-            release, future = item
+            release, held, future = item
             try:
-                sums = self._sums(release)
+                assert release.verify is not None
+                problem = query_problem(release.verify, self.registration.planes, held)
+                sums = None if problem else self._sums(release)
                 with self._lock:
                     try:
+                        if problem:
+                            self._refused(release, problem, "integrity_question_refused")
                         reply: Reply = self._release(release, self._clock(), sums)
                     finally:
                         self._pending.pop((release.request_id, release.hold_id, release.reader), None)
@@ -271,6 +269,13 @@ class HoldService:
                 future.set_exception(exc)
             else:
                 future.set_result(reply)
+
+    def _refused(self, release: Release, problem: str, reason: str) -> None:
+        """Under the lock: a question not answered, counted and logged (a WARNING at most once a minute)."""
+        self.ledger.counters[reason] += 1
+        self.ledger.events.append(LedgerEvent(
+            release.request_id, f"integrity question of {release.reader} not answered: {problem}", reason))
+        self._log_events()
 
     def _sums(self, release: Release) -> list[UnitSums] | None:
         digester = self._digester

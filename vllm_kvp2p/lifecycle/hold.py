@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,14 +49,21 @@ class HeldUnits:
     tensor, so planes of different groups share memory, and D names a unit by the plane its address falls in
     (lifecycle/integrity.verification_for: by base address), which may be another group's plane over those bytes."""
 
+    blocks: Blocks
+    plane_groups: tuple[int, ...]
     planes: tuple[PlaneGeometry, ...]
-    starts: tuple[int, ...]  # merged spans [starts[i], ends[i]), sorted
-    ends: tuple[int, ...]
 
     @classmethod
     def of(cls, blocks: Blocks, plane_groups: Sequence[int], planes: Sequence[PlaneGeometry]) -> HeldUnits:
+        """Cheap: the spans are made when first needed (off the side channel's thread: hold_service.py)."""
+        return cls(blocks, tuple(plane_groups), tuple(planes))
+
+    @functools.cached_property
+    def _spans(self) -> tuple[list[int], list[int]]:
+        """Merged ``[start, end)`` address spans, sorted: starts, ends."""
+        blocks, groups = self.blocks, self.plane_groups
         spans = sorted((plane.base_addr + b * plane.block_stride, plane.block_bytes)
-                       for plane, group in zip(planes, plane_groups) if 0 <= group < len(blocks)
+                       for plane, group in zip(self.planes, groups) if 0 <= group < len(blocks)
                        for b in set(blocks[group]) if 0 <= b < plane.num_blocks)
         starts: list[int] = []
         ends: list[int] = []
@@ -65,21 +73,22 @@ class HeldUnits:
             else:
                 starts.append(start)
                 ends.append(start + length)
-        return cls(tuple(planes), tuple(starts), tuple(ends))
+        return starts, ends
 
     @property
     def bytes(self) -> int:
         """Bytes held (each once, whichever planes share them): the most one reader's pull can have moved."""
-        return sum(self.ends) - sum(self.starts)
+        starts, ends = self._spans
+        return sum(ends) - sum(starts)
 
     def covers(self, plane: int, block: int, offset: int, end: int) -> bool:
         """Whether bytes ``offset`` .. ``end`` of ``block`` of ``plane`` are all held."""
         if not 0 <= plane < len(self.planes):
             return False
-        geometry = self.planes[plane]
+        geometry, (starts, ends) = self.planes[plane], self._spans
         start = geometry.base_addr + block * geometry.block_stride
-        at = bisect.bisect_right(self.starts, start + offset) - 1
-        return at >= 0 and start + end <= self.ends[at]
+        at = bisect.bisect_right(starts, start + offset) - 1
+        return at >= 0 and start + end <= ends[at]
 
     def __contains__(self, unit: object) -> bool:
         """Whether a whole unit ``(plane, block)`` is held."""

@@ -65,6 +65,11 @@ logger = logging.getLogger("vllm_kvp2p.proxy")
 # Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
 FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
+
+def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers that go upstream as they came (:data:`FORWARDED_HEADERS`)."""
+    return {name: v for name in FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
+
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -274,11 +279,7 @@ class PDProxy:
         rid = client_headers.get("x-request-id") or str(uuid.uuid4())
         try:
             body = self._parse(raw, path)
-            headers = {"X-Request-Id": rid}
-            for name in FORWARDED_HEADERS:
-                value = client_headers.get(name)
-                if value is not None:
-                    headers[name] = value
+            headers = {"X-Request-Id": rid, **forwarded_headers(client_headers)}
             prompts = batch_prompts(body) if ENDPOINTS[path].batched else None
             if prompts is not None:
                 return await run_batch(self, body, prompts, headers, path, rid)

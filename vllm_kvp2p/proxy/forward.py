@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from vllm_kvp2p.proxy.app import FORWARDED_HEADERS
+from vllm_kvp2p.proxy.app import forwarded_headers
 from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Answer, PassThrough, ProxyError, check_status, upstream_failure
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ FORWARDED_ROUTES: dict[str, str] = {"/v1/models": "GET", "/tokenize": "POST", "/
 
 async def forward(proxy: PDProxy, path: str, body: bytes | None, client_headers: Mapping[str, str]) -> Answer:
     """``path`` (one of :data:`FORWARDED_ROUTES`) asked of the least busy decode instance."""
-    headers = {name: v for name in FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
+    headers = forwarded_headers(client_headers)
     if (rid := client_headers.get("x-request-id")) is not None:
         headers["X-Request-Id"] = rid
     method = FORWARDED_ROUTES[path]

@@ -114,7 +114,7 @@ class Pair:
         self.n += 1
         rid = f"r{self.n}"
         ids = list(range(blocks))
-        self.holds.hold(rid, "h", blocks)
+        self.holds.hold(rid, "h", blocks, [ids])
         remote = RemotePrefill(self.engine_id, rid, "127.0.0.1", self.port, [ids], "h", blocks * BLOCK, BLOCK)
         t0 = time.perf_counter()
         self.pulls.submit(PullPlan("d-" + rid, remote, (tuple(ids),), (tuple(ids),), True))

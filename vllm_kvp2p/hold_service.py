@@ -4,24 +4,41 @@ The ledger decides; this module only feeds it events (holds from vLLM's schedule
 from the side channel, the passing of time) and logs what it reports. A refusal or bound hit (an event with a
 ``reason``, which peers can cause at will) is logged as a WARNING at most once a minute per reason, with the count
 of those not logged since; the ledger's ``counters`` have them all.
+
+Integrity questions (D's release asks P's sums of the bytes it read, vllm_kvp2p/lifecycle/integrity.py) are
+answered only about the asking reader's own hold and within its bytes (``query_problem``), and checked and summed
+on a thread of their own, not the side channel's (which only checks the lease and queues the question): the
+release is answered once its sums are done (the side channel defers that answer and meanwhile serves every other
+claim, renewal and release of this rank). Why a thread and not only
+the byte bound: the bound makes a question cost at most a pass over the bytes one honest pull of the hold moved,
+and for a large hold that is long. A question names at most 4096 units (a 64 KiB frame); one unit of a dense 8B
+model at TP 1 and block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x 128 tokens), so the hold of a
+16k-token prompt (4096 block-layers) admits a 2 GiB question: 2.4-3.3 s of one core at the 1.2-1.6 ms/MiB
+measured (one torch thread; docs/reliability.md). The thread takes one question at a time; at most
+``MAX_PENDING_QUESTIONS`` wait (more are answered at once without sums: D counts those pulls unverified); a
+release resent while its sums run (D's client resends after 0.5 s) waits for the same answer, not a second sum.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import msgspec
 
 from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.lifecycle.hold import HeldUnits
 from vllm_kvp2p.lifecycle.integrity import query_problem
 from vllm_kvp2p.lifecycle.producer import (
     CLOCK_SKEW,
     EARLY_RELEASE_TTL,
     MAX_EARLY_RELEASES,
     MAX_HOLDS,
+    LedgerEvent,
     ProducerLedger,
 )
 from vllm_kvp2p.log import get_logger
@@ -47,6 +64,9 @@ from vllm_kvp2p.side_channel import SideChannelServer
 logger = get_logger(__name__)
 
 WARNING_INTERVAL = 60.0  # seconds between two warnings of one reason
+MAX_PENDING_QUESTIONS = 64  # integrity questions waiting for their sums at once (one per reader's release)
+
+_ReleaseKey = tuple[str, str, str]  # (request id, hold id, reader)
 
 
 class HoldService:
@@ -88,6 +108,12 @@ class HoldService:
         self._lock = threading.Lock()
         self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
         self._dropped_reported: Counter[str] = Counter()  # side-channel drops already in the metrics
+        self._plane_groups = registration.group_of_planes()
+        # Releases whose question is being summed, and the answer each will get; the questions, in order.
+        self._pending: dict[_ReleaseKey, tuple[Release, Future[Reply]]] = {}
+        self._questions: queue.SimpleQueue[tuple[Release, HeldUnits, Future[Reply]] | None] = queue.SimpleQueue()
+        self._summer = threading.Thread(target=self._sum_questions, name=f"kvp2p-digest:{port}", daemon=True)
+        self._summer.start()
         self._server = SideChannelServer(
             host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.rank}",
             auth=auth,
@@ -96,10 +122,13 @@ class HoldService:
                     "authenticated" if auth is not None else "unauthenticated: anyone who reaches it may fetch the "
                     "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
-    def hold(self, request_id: str, hold_id: str, num_blocks: int = 0) -> None:
+    def hold(self, request_id: str, hold_id: str, num_blocks: int = 0, blocks: Sequence[Sequence[int]] = ()) -> None:
+        """``num_blocks``: every block vLLM keeps (the gauge); ``blocks``: those the params offer, per KV-cache group
+        (vllm_kvp2p/scheduler.HoldOrder.offered), the only ones a reader of the hold is answered about."""
         logger.debug("KV hold %s (hold %s): %d blocks kept for a decoder", request_id, hold_id, num_blocks)
+        offered = tuple(tuple(ids) for ids in blocks)
         with self._lock:
-            self.ledger.hold(request_id, hold_id, self._clock(), num_blocks)
+            self.ledger.hold(request_id, hold_id, self._clock(), num_blocks, offered)
             self._log_events()
 
     def take_freed(self) -> set[str]:
@@ -139,11 +168,11 @@ class HoldService:
             return (tally, {k: v for k, v in dropped.items() if v > 0}, self.ledger.blocks_held,
                     self.ledger.oldest_hold_age(self._clock()))
 
-    def _handle(self, message: Request) -> Reply:
-        # An integrity question is summed outside the lock: the engine's step (hold, take_freed) must not wait on
-        # it. The release itself is decided after the sums, under the lock: if the lease lapsed meanwhile (and the
-        # blocks may have been reused), P does not confirm the read, and D does not count it whatever the sums.
-        sums = self._answer(message) if isinstance(message, Release) else None
+    def _handle(self, message: Request) -> Reply | Future[Reply]:
+        if isinstance(message, Release):
+            deferred = self._defer(message)
+            if deferred is not None:
+                return deferred
         with self._lock:
             now = self._clock()
             try:
@@ -174,38 +203,86 @@ class HoldService:
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
                 if isinstance(message, Release):
-                    held = self.ledger.release(
-                        message.request_id, message.hold_id, message.reader, message.expected_readers, now,
-                        message.lease_token, message.pulled,
-                    )
-                    logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s",
-                                 message.request_id, message.hold_id, message.reader, message.pulled, held)
-                    if self._on_release is not None:
-                        self._on_release()
-                    return Released(held, sums if held else None)
+                    return self._release(message, now, None)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:
                 self._log_events()
 
-    def _answer(self, release: Release) -> list[UnitSums] | None:
-        """P's sums for the release's integrity question, or None (none asked, no digester, the reader's lease
-        not live, or a question over what the hold has: vllm_kvp2p/lifecycle/integrity.query_problem)."""
-        query = release.verify
-        if query is None or self._digester is None:
-            return None
+    def _release(self, message: Release, now: float, sums: list[UnitSums] | None) -> Released:
+        """Under the lock. The release is decided after the sums: if the lease lapsed meanwhile (and the blocks may
+        have been reused), P does not confirm the read, and D does not count it whatever the sums."""
+        held = self.ledger.release(
+            message.request_id, message.hold_id, message.reader, message.expected_readers, now,
+            message.lease_token, message.pulled,
+        )
+        logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s",
+                     message.request_id, message.hold_id, message.reader, message.pulled, held)
+        if self._on_release is not None:
+            self._on_release()
+        return Released(held, sums if held else None)
+
+    def _defer(self, release: Release) -> Reply | Future[Reply] | None:
+        """On the side-channel thread, in O(1): the answer to a release whose question P checks and sums on its own
+        thread (a Future), one for a release while this reader's is there, or None: handled at once (no question,
+        the reader's lease not live, or too many waiting)."""
+        key = (release.request_id, release.hold_id, release.reader)
         with self._lock:
-            blocks = self.ledger.verifiable_blocks(release.request_id, release.hold_id, release.reader,
-                                                   self._clock(), release.lease_token)
-        planes = self.registration.planes
-        problem = query_problem(query, planes, None) if blocks else "the reader holds no live lease"
-        if not problem and len(query.units) > blocks * len(planes):
-            problem = f"{len(query.units)} units, more than the hold's {blocks} blocks x {len(planes)} planes"
-        if problem:
-            logger.debug("KV hold %s: integrity question of %s not answered: %s", release.request_id, release.reader,
-                         problem)
+            waiting = self._pending.get(key)
+            if waiting is not None:  # the same release resent (D gave up on its first socket): the same answer
+                if waiting[0] == release:
+                    return waiting[1]
+                return ErrorReply("this reader's release is being answered (its integrity sums run): send it later")
+            if release.verify is None or self._digester is None:
+                return None
+            held = self.ledger.verifiable_units(release.request_id, release.hold_id, release.reader, self._clock(),
+                                                release.lease_token, self.registration.planes, self._plane_groups)
+            if held is None:
+                logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
+                             release.request_id, release.reader)
+                return None
+            if len(self._pending) >= MAX_PENDING_QUESTIONS:
+                self._refused(release, f"{MAX_PENDING_QUESTIONS} questions already wait", "integrity_questions_waiting")
+                return None
+            future: Future[Reply] = Future()
+            self._pending[key] = (release, future)
+        self._questions.put((release, held, future))
+        return future
+
+    def _sum_questions(self) -> None:
+        """The questions' thread: checks and sums one question, then decides its release (under the lock) and sets
+        its answer."""
+        while (item := self._questions.get()) is not None:
+            release, held, future = item
+            try:
+                assert release.verify is not None
+                problem = query_problem(release.verify, self.registration.planes, held)
+                sums = None if problem else self._sums(release)
+                with self._lock:
+                    try:
+                        if problem:
+                            self._refused(release, problem, "integrity_question_refused")
+                        reply: Reply = self._release(release, self._clock(), sums)
+                    finally:
+                        self._pending.pop((release.request_id, release.hold_id, release.reader), None)
+                        self._log_events()
+            except Exception as exc:  # noqa: BLE001 - answered as the side channel answers a handler that raised
+                future.set_exception(exc)
+            else:
+                future.set_result(reply)
+
+    def _refused(self, release: Release, problem: str, reason: str) -> None:
+        """Under the lock: a question not answered, counted and logged (a WARNING at most once a minute)."""
+        self.ledger.counters[reason] += 1
+        self.ledger.events.append(LedgerEvent(
+            release.request_id, f"integrity question of {release.reader} not answered: {problem}", reason))
+        self._log_events()
+
+    def _sums(self, release: Release) -> list[UnitSums] | None:
+        digester = self._digester
+        if release.verify is None or digester is None:
             return None
         try:
-            return [UnitSums(t, w) for t, w in self._digester(query)]
+            return [UnitSums(t, w) for t, w in digester(release.verify)]
         except Exception as exc:  # noqa: BLE001 - the release must still be answered
             logger.warning("KV hold %s: integrity sums failed: %s", release.request_id, exc)
             return None
@@ -229,3 +306,5 @@ class HoldService:
 
     def close(self) -> None:
         self._server.close()
+        self._questions.put(None)
+        self._summer.join(timeout=5)

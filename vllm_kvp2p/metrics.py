@@ -61,7 +61,7 @@ FAILURE_KINDS = (
     "invalid_params", "unauthenticated", "incompatible", "unreachable", "refused",
     "timeout", "read_failed", "lease_lost", "internal", "shutdown", "corrupted",
 )  # fmt: skip
-DROP_REASONS = ("unauthenticated", "undecodable", "handler_error")  # SideChannelServer.dropped
+DROP_REASONS = ("unauthenticated", "undecodable", "handler_error", "deferred_full")  # SideChannelServer.dropped
 
 MAX_SAMPLES = 65536  # per list: bounds memory if nobody drains the stats (a model runner that never asks)
 MAX_REASONS = 32  # distinct kinds/reasons per table, the rest count as "other" (label cardinality)

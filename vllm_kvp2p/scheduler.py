@@ -64,6 +64,8 @@ class HoldOrder:
     request_id: str
     hold_id: str
     num_blocks: int = 0  # every block vLLM keeps for it (all groups): the blocks-held gauge
+    # The blocks the params offer, per KV-cache group (remote_block_ids): all a reader may ask P's sums of.
+    offered: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -323,7 +325,8 @@ class SchedulerSide:
             remote = self.auth.sign_params(remote, _now_ms() + int(self.config.hold_timeout * 1000))
         params = remote.to_params()
         # Queued last: if anything above raised, no hold order is left without params (vLLM frees the blocks).
-        self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids)))
+        self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids),
+                                     tuple(tuple(ids) for ids in offered)))
         self._siblings.remember(request.request_id, num_tokens, digest, params)
         return True, params
 

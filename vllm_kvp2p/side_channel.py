@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import msgspec
 import zmq
@@ -32,6 +33,8 @@ logger = get_logger(__name__)
 MAX_REQUEST_BYTES = 64 << 10
 #: Largest reply D accepts (a registration lists every KV plane: a few KiB per layer).
 MAX_REPLY_BYTES = 64 << 20
+#: Requests whose answer a handler deferred (returned a Future) waiting at once; more are answered with an error.
+MAX_DEFERRED = 1024
 
 
 def endpoint(host: str, port: int) -> str:
@@ -81,10 +84,12 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None
 
 
 class SideChannelServer:
-    """Answers side-channel requests on ``tcp://host:port`` from a daemon thread."""
+    """Answers side-channel requests on ``tcp://host:port`` from a daemon thread. A handler answers at once (a
+    :class:`Reply`) or later (a ``Future`` of one, set from any thread): the thread meanwhile serves other
+    requests and sends that answer when it is set (at most :data:`MAX_DEFERRED` waiting)."""
 
     def __init__(
-        self, host: str, port: int, handler: Callable[[Request], Reply], *, setting: str = "",
+        self, host: str, port: int, handler: Callable[[Request], Reply | Future[Reply]], *, setting: str = "",
         auth: Authenticator | None = None,
     ) -> None:
         self.address = endpoint(host, port)
@@ -109,6 +114,10 @@ class SideChannelServer:
                 "Another instance or rank uses it: give each instance on a host its own VLLM_KVP2P_SIDE_CHANNEL_PORT "
                 "(kv_connector_extra_config side_channel_port), leaving tp_size * dp_size ports between them."
             ) from exc
+        self._deferred: list[tuple[bytes, Future[Reply], bytes]] = []  # (peer identity, answer, nonce to seal with)
+        self._wake_r, self._wake_w = socket.socketpair()  # a byte written when a deferred answer is set
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvp2p-side-channel:{port}", daemon=True)
         self._thread.start()
@@ -116,8 +125,17 @@ class SideChannelServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if self._wake_r in ready or self._wake_r.fileno() in ready:
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+            if self._deferred:
+                self._send_deferred()
+            if self._sock not in ready:
                 continue
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -126,16 +144,46 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             identity, payload = frames[0], frames[-1]
-            data = self._answer(payload)
-            try:
-                self._sock.send_multipart([identity, b"", data], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                logger.warning("side channel %s could not reply: %s", self.address, exc)
+            answer = self._answer(payload)
+            if isinstance(answer, bytes):
+                self._send(identity, answer)
+            else:
+                self._deferred.append((identity, *answer))
+                answer[0].add_done_callback(self._wake)
         self._sock.close()
         self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
 
-    def _answer(self, payload: bytes) -> bytes:
-        """The reply frame for one request frame."""
+    def _send(self, identity: bytes, data: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, b"", data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("side channel %s could not reply: %s", self.address, exc)
+
+    def _wake(self, _: Future[Reply]) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full (the thread has bytes to read already) or closed (the server stopped)
+            pass
+
+    def _send_deferred(self) -> None:
+        waiting = []
+        for identity, future, nonce in self._deferred:
+            if not future.done():
+                waiting.append((identity, future, nonce))
+                continue
+            try:
+                reply = future.result()
+            except Exception as exc:  # noqa: BLE001 - as a handler that raised
+                logger.error("side-channel deferred answer failed: %s: %s", type(exc).__name__, exc)
+                self.dropped["handler_error"] += 1
+                reply = ErrorReply(f"{type(exc).__name__}: {exc}")
+            self._send(identity, self._sealed(reply, nonce))
+        self._deferred = waiting
+
+    def _answer(self, payload: bytes) -> bytes | tuple[Future[Reply], bytes]:
+        """The reply frame for one request frame, or the handler's deferred answer and the nonce to seal it with."""
         nonce = b""
         if self._auth is not None:
             assert self._replays is not None
@@ -152,7 +200,7 @@ class SideChannelServer:
             message = protocol.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.dropped["undecodable"] += 1
-            reply: Reply = ErrorReply(f"undecodable request: {str(exc)[:200]}")
+            reply: Reply | Future[Reply] = ErrorReply(f"undecodable request: {str(exc)[:200]}")
         else:
             try:
                 reply = self._handler(message)
@@ -160,6 +208,14 @@ class SideChannelServer:
                 logger.exception("side-channel handler failed on %s", type(message).__name__)
                 self.dropped["handler_error"] += 1
                 reply = ErrorReply(f"{type(exc).__name__}: {exc}")
+        if isinstance(reply, Future):
+            if len(self._deferred) < MAX_DEFERRED:
+                return reply, nonce
+            self.dropped["deferred_full"] += 1
+            reply = ErrorReply(f"{MAX_DEFERRED} requests already waiting for their answers: try again")
+        return self._sealed(reply, nonce)
+
+    def _sealed(self, reply: Reply, nonce: bytes) -> bytes:
         data = protocol.encode(reply)
         return self._auth.seal_reply(data, nonce, _now_ms()) if self._auth is not None else data
 

@@ -133,7 +133,9 @@ def test_p_remote_decode_holds_blocks_until_finished_sending(num_tokens):
     assert num_free_blocks(sched) == held
     # The hold is shipped to the workers with the next schedule(), exactly once.
     st = step(sched)
-    assert st.meta.holds == [HoldOrder("p1", remote.remote_hold_id, n_blocks)]  # n_blocks: the gauge
+    # n_blocks: the gauge; the offered blocks: what P answers integrity questions about
+    assert st.meta.holds == [HoldOrder("p1", remote.remote_hold_id, n_blocks,
+                                       tuple(tuple(ids) for ids in remote.remote_block_ids))]
     assert st.meta.pulls == []
     st = step(sched)
     assert st.meta.holds == []

@@ -346,7 +346,9 @@ def test_stale_results_are_ignored() -> None:
     ({"total_num_kv_heads": 4}, "total KV heads: P has 4, D has 2"),
     ({"use_mla": True}, "MLA: P True, D False"),
     ({"block_shapes": [BlockShape(True, 2, BS, 32)] * 2}, "bytes per head and token: P 32, D 16 (head size)"),
-    ({"block_size": 24}, "block size: P uses 24, D uses 16; one must divide the other"),
+    # A P whose blocks are not what its params say (the params' own block size was checked against D's at
+    # admission: lifecycle/admission.py).
+    ({"block_size": 24}, "block size: the params say P's blocks hold 16 tokens, P rank 0 registers blocks of 24"),
 ])
 def test_incompatible_geometry_is_refused_at_handshake_with_both_values(change: dict, message: str) -> None:
     import msgspec

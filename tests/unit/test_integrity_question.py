@@ -6,6 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from vllm_kvp2p.lifecycle import integrity
+from vllm_kvp2p.lifecycle.hold import HeldUnits
 from vllm_kvp2p.lifecycle.integrity import (
     IntegrityMode,
     Verdict,
@@ -67,12 +69,15 @@ def test_a_descriptor_outside_p_planes_is_a_bug_not_silence() -> None:
         verification_for(Descriptors([0], [0x80000 + 1024 + 8], [4]), P_PLANES, IntegrityMode.FULL, 1)
 
 
+EVERY_BLOCK = HeldUnits.of((tuple(range(16)),), (0, 0), P_PLANES)  # a hold of all 16 blocks of both planes
+
+
 @pytest.mark.parametrize(("query", "why"), [
     (DigestQuery([UnitRanges(2, 0, [0, 4])]), "no such plane"),
     (DigestQuery([UnitRanges(-1, 0, [0, 4])]), "no such plane"),
     (DigestQuery([UnitRanges(0, 0, [0])]), "not in pairs"),
-    (DigestQuery([UnitRanges(0, 16, [0, 4])]), "not a block of this hold"),
-    (DigestQuery([UnitRanges(0, -3, [0, 4])]), "not a block of this hold"),
+    (DigestQuery([UnitRanges(0, 16, [0, 4])]), "no such block"),
+    (DigestQuery([UnitRanges(0, -3, [0, 4])]), "no such block"),
     (DigestQuery([UnitRanges(0, 1, [1000, 100])]), "outside its 1024 B"),
     (DigestQuery([UnitRanges(0, 1, [-5, 10])]), "outside"),
     (DigestQuery([UnitRanges(0, 1, [0, 0])]), "outside"),
@@ -80,13 +85,74 @@ def test_a_descriptor_outside_p_planes_is_a_bug_not_silence() -> None:
     (DigestQuery([UnitRanges(0, 1, [0, 4])] * (MAX_DIGEST_UNITS + 1)), "over"),
 ])
 def test_p_answers_no_question_outside_what_it_has(query: DigestQuery, why: str) -> None:
-    assert why in query_problem(query, P_PLANES, None)
+    assert why in query_problem(query, P_PLANES, EVERY_BLOCK)
 
 
-def test_a_block_outside_the_hold_is_refused_when_p_knows_the_hold() -> None:
-    query = DigestQuery([UnitRanges(0, 3, [0, 1024])])
-    assert query_problem(query, P_PLANES, {(0, 3)}) == ""
-    assert "not a block of this hold" in query_problem(query, P_PLANES, {(0, 4)})
+def test_only_units_of_the_readers_hold_are_answered_a_plane_holding_its_groups_blocks() -> None:
+    held = HeldUnits.of(((3, 4), (9,)), (0, 1), P_PLANES)  # plane 0 in group 0 (blocks 3, 4), plane 1 in group 1 (9)
+    assert held.bytes == 3 * 1024 and (0, 3) in held and (1, 9) in held and (1, 3) not in held and (0, 9) not in held
+    assert (5, 3) not in held and (-1, 3) not in held  # no such plane
+    assert query_problem(DigestQuery([UnitRanges(0, 3, [0, 1024]), UnitRanges(1, 9, [0, 1024])]), P_PLANES,
+                         held) == ""
+    for plane, block in ((0, 5), (1, 3), (0, 9)):
+        problem = query_problem(DigestQuery([UnitRanges(plane, block, [0, 1])]), P_PLANES, held)
+        assert "not a block of this hold" in problem, (plane, block)
+    nothing = HeldUnits.of((), (0, 0), P_PLANES)
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(0, 3, [0, 1])]), P_PLANES, nothing)
+
+
+def test_planes_of_two_groups_over_one_memory_are_answered_by_bytes() -> None:
+    """vLLM's hybrid allocator gives layers of two groups one tensor: plane 1 (group 1) lies over plane 0's memory
+    (group 0), and D names a unit by the plane its address falls in, so a block of group 1 may come as plane 0's. P
+    answers by bytes held: block 5 of either plane is held (group 1 offered it), block 6 of neither."""
+    planes = [PlaneGeometry(0x10000, 1024, 1024, 16), PlaneGeometry(0x10000, 1024, 1024, 16)]
+    held = HeldUnits.of(((3,), (5,)), (0, 1), planes)
+    assert held.bytes == 2 * 1024  # each byte once, whichever planes share it
+    assert query_problem(DigestQuery([UnitRanges(0, 5, [0, 1024])]), planes, held) == ""
+    assert query_problem(DigestQuery([UnitRanges(1, 3, [0, 1024])]), planes, held) == ""
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(0, 6, [0, 1])]), planes, held)
+    # A plane of another stride over the same memory (a state page of 2 attention blocks): half of it held.
+    paged = [planes[0], PlaneGeometry(0x10000, 2048, 2048, 8)]
+    half = HeldUnits.of(((4,), ()), (0, 1), paged)  # attention block 4: the first half of page 2
+    assert query_problem(DigestQuery([UnitRanges(1, 2, [0, 1024])]), paged, half) == ""
+    assert "not a block" in query_problem(DigestQuery([UnitRanges(1, 2, [0, 1025])]), paged, half)
+
+
+@pytest.mark.parametrize(("ranges", "why"), [
+    ([0, 16, 8, 16], "overlaps"),  # overlapping
+    ([0, 16, 0, 16], "overlaps"),  # the same range twice
+    ([32, 16, 0, 16], "overlaps or precedes"),  # out of order
+])
+def test_ranges_of_a_unit_must_be_sorted_and_disjoint(ranges: list[int], why: str) -> None:
+    assert why in query_problem(DigestQuery([UnitRanges(0, 1, ranges)]), P_PLANES, EVERY_BLOCK)
+
+
+def test_adjacent_ranges_and_a_whole_block_are_answered() -> None:
+    assert query_problem(DigestQuery([UnitRanges(0, 1, [0, 16, 16, 16, 1000, 24])]), P_PLANES, EVERY_BLOCK) == ""
+    assert query_problem(DigestQuery([UnitRanges(0, 1, [0, 1024])]), P_PLANES, EVERY_BLOCK) == ""
+
+
+def test_a_unit_named_twice_is_refused() -> None:
+    query = DigestQuery([UnitRanges(0, 1, [0, 8]), UnitRanges(1, 1, [0, 8]), UnitRanges(0, 1, [8, 8])])
+    assert "named twice" in query_problem(query, P_PLANES, EVERY_BLOCK)
+
+
+def test_the_byte_bound_alone_refuses_what_overlaps_and_repeats_would_multiply(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte bound follows from the rules before it; on its own (those dropped) it still refuses a question
+    over the hold's bytes, and without any of the three P would sum 16,000 times one block's bytes."""
+    held = HeldUnits.of(((1, 2),), (0, 0), P_PLANES)  # 2 blocks x 2 planes x 1024 B = 4096 B
+    query = DigestQuery([UnitRanges(0, 1, [0, 1024] * 16_000)])
+    assert "overlaps" in query_problem(query, P_PLANES, held)
+    rules = integrity.QUESTION_RULES
+    monkeypatch.setattr(integrity, "QUESTION_RULES", tuple(
+        r for r in rules if r not in (integrity._ranges_sorted_and_disjoint, integrity._units_distinct)))
+    assert "16384000 bytes asked, more than the hold's 4096" in query_problem(query, P_PLANES, held)
+    within = DigestQuery([UnitRanges(0, 1, [0, 1024] * 4)])  # 4096 B: within the bound, not a set of bytes
+    assert query_problem(within, P_PLANES, held) == ""
+    monkeypatch.setattr(integrity, "QUESTION_RULES", tuple(
+        r for r in integrity.QUESTION_RULES if r is not integrity._bytes_within_the_hold))
+    assert query_problem(query, P_PLANES, held) == ""  # the attack, once no rule bounds the bytes
 
 
 def test_the_wire_bounds_a_question_before_any_check() -> None:

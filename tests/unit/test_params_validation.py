@@ -175,6 +175,8 @@ def pull(**params: object) -> ConsumerPull:
     ({"segment": "10.6.6.6:16001"}, {}, "Mooncake segment '10.6.6.6:16001' is not on the host of P rank"),
     ({"model_fingerprint": "model-b"}, {}, "model: P serves fingerprint model-b, D model-a"),
     ({}, {"remote_block_ids": [[10, 11, 12, 100]]}, "the params name blocks beyond the 100 blocks of P rank 0"),
+    ({"block_size": BS * 2}, {}, f"block size: the params say P's blocks hold {BS} tokens, P rank 0 registers "
+                                 f"blocks of {BS * 2}"),
 ])
 def test_a_registration_is_checked_against_the_params_and_this_d(change: dict, params: dict, reason: str) -> None:
     job = pull(**params)

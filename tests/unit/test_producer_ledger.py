@@ -9,6 +9,7 @@ import pytest
 
 from vllm_kvp2p.lifecycle.producer import MAX_EARLY_RELEASES, STALE_SLACK, HoldState, ProducerLedger
 from vllm_kvp2p.protocol import MAX_TP_SIZE, ClaimStatus
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 
 def ledger(**kw) -> ProducerLedger:
@@ -666,3 +667,22 @@ def test_a_claim_without_deadline_ms_decodes_as_not_given() -> None:
     assert decode_request(older) == Claim("r", "h", "d:0", 1)
     assert decode_request(older).deadline_ms == 0
     assert decode_request(encode(Claim("r", "h", "d:0", 1, deadline_ms=WALL))).deadline_ms == WALL
+
+
+def test_an_integrity_question_may_name_only_the_units_of_the_readers_live_hold() -> None:
+    """verifiable_units: the blocks the hold offered, per group, in the planes of that group, and only while the
+    asking reader's lease is live and the release carries its token."""
+    planes = [PlaneGeometry(0x100000 * (i + 1), 4096, 4096, 10) for i in range(3)]
+    groups = (0, 1, 0)
+    lg = ledger()
+    lg.hold("r1", "h", now=0, num_blocks=9, blocks=((3, 4, 5), (8,)))
+    lg.hold("r2", "h", now=0, num_blocks=2, blocks=((6, 7),))
+    token = lg.claim("r1", "h", "d:0", 1, now=1).lease_token
+    units = lg.verifiable_units("r1", "h", "d:0", 2, token, planes, groups)
+    assert units is not None and units.bytes == (3 + 1 + 3) * 4096
+    assert {(p, b) for p in range(3) for b in range(10) if (p, b) in units} == {
+        (0, 3), (0, 4), (0, 5), (1, 8), (2, 3), (2, 4), (2, 5)}  # not another group's, not another hold's
+    assert lg.verifiable_units("r1", "h", "d:0", 2, "tok-forged", planes, groups) is None
+    assert lg.verifiable_units("r1", "h", "d:9", 2, token, planes, groups) is None  # not this reader's lease
+    assert lg.verifiable_units("r2", "h", "d:0", 2, token, planes, groups) is None  # a hold it never claimed
+    assert lg.verifiable_units("r1", "h", "d:0", 5.5, token, planes, groups) is None  # the lease lapsed (4 s)

@@ -150,7 +150,7 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
         hs.rank_table = table_of(engine_id, "", advertised)
     try:
         for hs in holds:
-            hs.hold(req, "hold-1", len(p_ids))
+            hs.hold(req, "hold-1", len(p_ids), [list(p_ids)])
         first, offset = divmod(first_token, p_bs)
         remote = RemotePrefill(engine_id, req, entry_host, base_port, [list(p_ids)], "hold-1", total, p_bs,
                                tp_size=p_tp)

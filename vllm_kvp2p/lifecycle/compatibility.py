@@ -44,6 +44,10 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
                 "(the same model on both, vllm_kvp2p/identity.py)")
     if reg.num_blocks <= max((b for ids in plan.remote_block_ids for b in ids), default=-1):
         return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.rank}"
+    if reg.block_size != r.remote_block_size:
+        # The plan's token offsets and block pairing were made from the params' block size: P's own must agree.
+        return (f"block size: the params say P's blocks hold {r.remote_block_size} tokens, P rank {reg.rank} "
+                f"registers blocks of {reg.block_size}")
     if not staged(local, reg) and tuple(reg.layer_names) != tuple(local.layer_names):
         return _layers_problem(reg.layer_names, local.layer_names)
     unknown = unknown_layers_problem(local, reg)
@@ -77,8 +81,7 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
     if any(g.kind == STATE for g in local.kv_groups()) and reg.tp_size != local.tp_size:
         return (f"tensor parallel size: P {reg.tp_size}, D {local.tp_size}; models with a linear-attention "
                 "state need the same on both")
-    if reg.block_size % local.block_size and local.block_size % reg.block_size:
-        return f"block size: P uses {reg.block_size}, D uses {local.block_size}; one must divide the other"
+    # Block sizes: the registration's equals the params' (above), which admission checked against D's.
     return ""
 
 

@@ -4,10 +4,16 @@ readers. Pure: no sockets, threads, clocks or torch. Its own methods keep its in
 
 from __future__ import annotations
 
+import bisect
 import enum
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+
 Key = tuple[str, str]  # (request id, hold id)
+Blocks = tuple[tuple[int, ...], ...]  # block ids per KV-cache group (vLLM's order of transfer groups)
 
 
 class HoldState(enum.Enum):
@@ -35,6 +41,62 @@ class Lease:
         return Lease(max(self.until, min(now + lease_timeout, self.cap)), self.cap, self.token, self.claim_id)
 
 
+@dataclass(frozen=True)
+class HeldUnits:
+    """What a reader of one hold may ask P about (vllm_kvp2p/lifecycle/integrity.query_problem): the bytes of the
+    blocks the params offered, per KV-cache group, in every plane of that group (``plane_groups[p]``), as merged
+    address spans. Bytes, not (plane, block) pairs: vLLM's hybrid allocator gives layers of several groups one
+    tensor, so planes of different groups share memory, and D names a unit by the plane its address falls in
+    (lifecycle/integrity.verification_for: by base address), which may be another group's plane over those bytes."""
+
+    blocks: Blocks
+    plane_groups: tuple[int, ...]
+    planes: tuple[PlaneGeometry, ...]
+
+    @classmethod
+    def of(cls, blocks: Blocks, plane_groups: Sequence[int], planes: Sequence[PlaneGeometry]) -> HeldUnits:
+        """Cheap: the spans are made when first needed (off the side channel's thread: hold_service.py)."""
+        return cls(blocks, tuple(plane_groups), tuple(planes))
+
+    @functools.cached_property
+    def _spans(self) -> tuple[list[int], list[int]]:
+        """Merged ``[start, end)`` address spans, sorted: starts, ends."""
+        blocks, groups = self.blocks, self.plane_groups
+        spans = sorted((plane.base_addr + b * plane.block_stride, plane.block_bytes)
+                       for plane, group in zip(self.planes, groups) if 0 <= group < len(blocks)
+                       for b in set(blocks[group]) if 0 <= b < plane.num_blocks)
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, length in spans:
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], start + length)
+            else:
+                starts.append(start)
+                ends.append(start + length)
+        return starts, ends
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held (each once, whichever planes share them): the most one reader's pull can have moved."""
+        starts, ends = self._spans
+        return sum(ends) - sum(starts)
+
+    def covers(self, plane: int, block: int, offset: int, end: int) -> bool:
+        """Whether bytes ``offset`` .. ``end`` of ``block`` of ``plane`` are all held."""
+        if not 0 <= plane < len(self.planes):
+            return False
+        geometry, (starts, ends) = self.planes[plane], self._spans
+        start = geometry.base_addr + block * geometry.block_stride
+        at = bisect.bisect_right(starts, start + offset) - 1
+        return at >= 0 and start + end <= ends[at]
+
+    def __contains__(self, unit: object) -> bool:
+        """Whether a whole unit ``(plane, block)`` is held."""
+        if not (isinstance(unit, tuple) and len(unit) == 2 and 0 <= unit[0] < len(self.planes)):
+            return False
+        return self.covers(unit[0], unit[1], 0, self.planes[unit[0]].block_bytes)
+
+
 @dataclass
 class Hold:
     request_id: str
@@ -42,7 +104,8 @@ class Hold:
     hold_deadline: float
     pin_deadline: float  # hard: no lease runs past it
     created: float
-    num_blocks: int = 0
+    num_blocks: int = 0  # every block vLLM keeps for it, all groups (the blocks-held gauge)
+    blocks: Blocks = ()  # the blocks offered to decoders, per group: the only ones a reader may ask P about
     state: HoldState = HoldState.HELD
     expected_readers: int = 1
     leases: dict[str, Lease] = field(default_factory=dict)  # reader -> its live lease

@@ -7,6 +7,14 @@ sums exactly those bytes of its held block, D the same bytes where it wrote them
 when the bytes are (see the digest module for why any split gives the same sums). The question travels in D's
 release of the hold (P still holds the blocks while it answers), the answer in P's reply to it: no extra round
 trip. A P that does not answer it (an older release) leaves the pull *unverified*, counted, not failed.
+
+Whoever reaches P's side channel may send a question, so P answers one (:func:`query_problem`) only from a reader
+whose lease on the hold is live, and only about what that reader can have read: bytes of its own hold (the blocks
+the params offered, per KV-cache group, in the planes of that group: lifecycle/hold.HeldUnits), each unit named
+once, ranges sorted, disjoint and inside the block, at most the hold's bytes in all. Otherwise two ranges
+``[o, 1, o + 1, 1]`` of a block outside the hold give ``total = a + b`` and ``weighted = (o + 1) a + (o + 2) b``:
+two bytes of another request's KV; and a range repeated inside a unit multiplies what one 64 KiB frame makes P
+sum (15,000 copies of one 8 KiB block: 117 MiB for a hold of 48 KiB).
 """
 
 from __future__ import annotations
@@ -14,12 +22,14 @@ from __future__ import annotations
 import bisect
 import enum
 import hashlib
+import operator
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
+from vllm_kvp2p.lifecycle.hold import HeldUnits
 from vllm_kvp2p.protocol import MAX_DIGEST_QUESTION_BYTES, DigestQuery, UnitRanges, UnitSums
 from vllm_kvp2p.protocol import MAX_DIGEST_RANGES as MAX_RANGES
 from vllm_kvp2p.protocol import MAX_DIGEST_UNITS as MAX_UNITS
@@ -150,23 +160,74 @@ def _drawn(chosen: list[int], piece: int) -> bool:
     return at < len(chosen) and chosen[at] == piece
 
 
-def query_problem(query: DigestQuery, planes: Sequence[PlaneGeometry], held_blocks: set[tuple[int, int]] | None
-                  ) -> str:
-    """Why P does not answer ``query`` ("" when it does): over its bounds, or naming a plane, block or byte range
-    it does not have, or (``held_blocks`` given) a block outside the hold the release is for."""
+def query_problem(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    """Why P does not answer ``query`` ("" when it does), the first of :data:`QUESTION_RULES` it breaks. ``held``:
+    the units of the asking reader's hold (ProducerLedger.verifiable_units): P answers about nothing else."""
+    for rule in QUESTION_RULES:
+        problem = rule(query, planes, held)
+        if problem:
+            return problem
+    return ""
+
+
+def _within_the_wire_bounds(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
     if len(query.units) > MAX_UNITS or sum(len(u.ranges) // 2 for u in query.units) > MAX_RANGES:
         return f"over {MAX_UNITS} units or {MAX_RANGES} ranges"
+    return ""
+
+
+def _inside_p_blocks(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    """Every range inside a block P has (never dropped: the sums would read past it)."""
     for unit in query.units:
         if not 0 <= unit.plane < len(planes) or len(unit.ranges) % 2:
             return f"unit {unit.plane}/{unit.block}: no such plane, or ranges not in pairs"
         plane = planes[unit.plane]
-        if not 0 <= unit.block < plane.num_blocks or (held_blocks is not None
-                                                      and (unit.plane, unit.block) not in held_blocks):
-            return f"unit {unit.plane}/{unit.block}: not a block of this hold"
+        if not 0 <= unit.block < plane.num_blocks:
+            return f"unit {unit.plane}/{unit.block}: no such block"
         for offset, length in zip(unit.ranges[::2], unit.ranges[1::2]):
             if offset < 0 or length <= 0 or offset + length > plane.block_bytes:
                 return f"unit {unit.plane}/{unit.block}: range {offset}+{length} outside its {plane.block_bytes} B"
     return ""
+
+
+def _inside_the_hold(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    """Only bytes of the reader's own hold: any other block is another request's KV (or a freed one's)."""
+    for unit in query.units:
+        first = min(unit.ranges[::2], default=0)
+        end = max(map(operator.add, unit.ranges[::2], unit.ranges[1::2]), default=0)
+        if not held.covers(unit.plane, unit.block, first, end):
+            return f"unit {unit.plane}/{unit.block}: not a block of this hold"
+    return ""
+
+
+def _units_distinct(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    if len({(u.plane, u.block) for u in query.units}) < len(query.units):
+        return "a unit named twice"
+    return ""
+
+
+def _ranges_sorted_and_disjoint(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    for unit in query.units:
+        end = 0
+        for offset, length in zip(unit.ranges[::2], unit.ranges[1::2]):
+            if offset < end:
+                return f"unit {unit.plane}/{unit.block}: range {offset}+{length} overlaps or precedes the one before"
+            end = offset + length
+    return ""
+
+
+def _bytes_within_the_hold(query: DigestQuery, planes: Sequence[PlaneGeometry], held: HeldUnits) -> str:
+    """At most the bytes the reader's pull can have moved from this rank: every byte of its hold, once."""
+    asked = sum(sum(u.ranges[1::2]) for u in query.units)
+    return f"{asked} bytes asked, more than the hold's {held.bytes}" if asked > held.bytes else ""
+
+
+Rule = Callable[[DigestQuery, Sequence[PlaneGeometry], HeldUnits], str]
+#: P's rules for a question, in order (each a pure function of the question, P's planes and the hold's units).
+#: The byte bound follows from the four before it (distinct units of the hold, disjoint ranges inside each); it
+#: is checked on its own too, being what bounds the side-channel work of one release (docs/security.md).
+QUESTION_RULES: tuple[Rule, ...] = (_within_the_wire_bounds, _inside_p_blocks, _inside_the_hold, _units_distinct,
+                                    _ranges_sorted_and_disjoint, _bytes_within_the_hold)
 
 
 def judge(query: DigestQuery, mine: Sequence[tuple[int, int]], theirs: Sequence[UnitSums] | None) -> Judgement:

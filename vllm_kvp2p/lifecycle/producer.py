@@ -48,11 +48,12 @@ import heapq
 import itertools
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_kvp2p.lifecycle.hold import Hold, HoldState, Key, Lease
+from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
+from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
@@ -60,8 +61,6 @@ EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read fr
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
 STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
-
-_Key = Key
 
 
 @dataclass(frozen=True)
@@ -102,17 +101,17 @@ class ProducerLedger:
         self.max_early_releases = max_early_releases
         self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
-        self._holds: dict[_Key, Hold] = {}
+        self._holds: dict[Key, Hold] = {}
         self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
         # (deadline, sequence, hold): each live hold's current entry (its ``due``), and stale ones (the hold is gone,
         # or its deadline moved earlier), skipped when they come up and rebuilt away when they are many.
-        self._deadlines: list[tuple[float, int, _Key]] = []
+        self._deadlines: list[tuple[float, int, Key]] = []
         self._sequence = itertools.count()
         # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
-        self._early: dict[_Key, _EarlyRelease] = {}
+        self._early: dict[Key, _EarlyRelease] = {}
         # Final states of recent holds, so a late claim is refused with the real reason.
-        self._tombstones: OrderedDict[_Key, HoldState] = OrderedDict()
-        self._confirmed: dict[_Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
+        self._tombstones: OrderedDict[Key, HoldState] = OrderedDict()
+        self._confirmed: dict[Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
         self._tombstone_limit = tombstones
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
@@ -155,8 +154,8 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ events from vLLM
 
-    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0) -> None:
-        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder."""
+    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0, blocks: Blocks = ()) -> None:
+        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder, offering ``blocks`` (per group)."""
         key = (request_id, hold_id)
         if key in self._holds or key in self._tombstones:
             self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
@@ -168,7 +167,7 @@ class ProducerLedger:
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
-                     created=now, num_blocks=max(0, num_blocks))
+                     created=now, num_blocks=max(0, num_blocks), blocks=blocks)
         self._holds[key] = hold
         self.tally["created"] += 1
         self.blocks_held += hold.num_blocks
@@ -267,15 +266,18 @@ class ProducerLedger:
         hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
-    def verifiable_blocks(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str) -> int:
-        """How many blocks an integrity question from ``reader`` may cover (vllm_kvp2p/lifecycle/integrity.py): the
-        hold's block count while that reader's lease on it is live and the release carries its token, else 0 (P
-        answers nothing: its blocks may not be the ones the reader read)."""
+    def verifiable_units(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str,
+                         planes: Sequence[PlaneGeometry], plane_groups: Sequence[int]) -> HeldUnits | None:
+        """What an integrity question from ``reader`` may name (vllm_kvp2p/lifecycle/integrity.py): the hold's offered
+        blocks in the ``planes`` of their group, while that reader's lease is live and the release carries its token;
+        else None (P answers nothing: its blocks may not be the ones the reader read)."""
         hold = self._holds.get((request_id, hold_id))
         lease = hold.leases.get(reader) if hold is not None else None
         if hold is None or lease is None or lease.until <= now:
-            return 0
-        return hold.num_blocks if secrets.compare_digest(lease_token.encode(), lease.token.encode()) else 0
+            return None
+        if not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
+            return None
+        return HeldUnits.of(hold.blocks, plane_groups, planes)
 
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",

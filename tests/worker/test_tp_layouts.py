@@ -114,10 +114,13 @@ class Truth:
 
 
 def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int, d_bs: int, n_tokens: int,
-               first_token: int = 0, dtype: torch.dtype = torch.float32, single_host_table: bool = False) -> None:
+               first_token: int = 0, dtype: torch.dtype = torch.float32, single_host_table: bool = False,
+               swap_planned_d_blocks: bool = False) -> None:
     """P rank r listens on its own engine's host (``ranks`` may put P's ranks on several loopback addresses, as an
     engine spanning nodes). ``single_host_table``: P's entry point serves the former single-host assumption (every
-    rank on rank 0's host): then no pull succeeds when the ranks are on several hosts."""
+    rank on rank 0's host): then no pull succeeds when the ranks are on several hosts. ``swap_planned_d_blocks``:
+    the plan names D's first two blocks the wrong way round (a plan bug), the kernel comparison still expects
+    them in order."""
     p_ranks, d_ranks = ranks
     p_layout, d_layout = Layout(p_tp, heads, mla), Layout(d_tp, heads, mla)
     engine_id, req = "P-" + uuid.uuid4().hex[:6], "req-" + uuid.uuid4().hex[:6]
@@ -170,7 +173,10 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
             remote_ids = tuple(p_ids[first:]) if p_bs != d_bs else tuple(p_ids[first : first + len(d_ids)])
             # What the pull copies: D's blocks from token 0, P's from the offset, until either list ends.
             ends.append(min(len(d_ids) * d_bs, len(remote_ids) * p_bs - offset))
-            loop.submit(PullPlan(f"d{d}-{req}", remote, (tuple(d_ids),), (tuple(remote_ids),), True,
+            planned = list(d_ids)
+            if swap_planned_d_blocks:
+                planned[0], planned[1] = planned[1], planned[0]
+            loop.submit(PullPlan(f"d{d}-{req}", remote, (tuple(planned),), (tuple(remote_ids),), True,
                                  remote_token_offset=offset))
             loops.append(loop)
             d_tensors.append(tensors)
@@ -240,6 +246,14 @@ def test_block_size_mismatch(ranks, p_bs: int, d_bs: int, first_token: int, dtyp
 
 def test_block_size_mismatch_at_tp_1(ranks) -> None:
     run_layout(ranks, 1, 1, heads=2, mla=False, p_bs=64, d_bs=32, n_tokens=100, first_token=32)
+
+
+def test_a_wrong_plan_matches_the_digest_and_fails_the_kernel_comparison(ranks) -> None:
+    """What the digest does not prove (docs/reliability.md): with D's destinations of two P blocks swapped, every
+    unit is summed where the plan wrote it and matches, so the pull counts as verified; the comparison with the
+    kernel's own writes on D is what catches the wrong plan."""
+    with pytest.raises(AssertionError, match=r"^\(0, 0\)"):  # D rank 0, layer 0: the kernel comparison
+        run_layout(ranks, 1, 1, heads=2, mla=False, p_bs=16, d_bs=16, n_tokens=40, swap_planned_d_blocks=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,13 @@ additive over any partition of ``R``, so P (walking its blocks) and D (walking i
 and scatter the same bytes differently) arrive at the same pair whenever D holds exactly P's bytes, however either
 side cuts them up. What it catches, always: one changed byte (``total`` moves by the change, never 0: the sums are
 exact, not modular), two bytes swapped (``weighted`` moves by the offset difference times the value difference),
-a run written to the wrong place on D (its bytes land in another unit's sums, or at other offsets). Both fit in
-int64 for units up to 2^26 bytes (255 * (2^26)^2 / 2 < 2^63).
+a transfer that wrote somewhere other than the plan's destination (D sums the plan's destinations, so bytes
+that did not arrive there show). Both fit in int64 for units up to 2^26 bytes (255 * (2^26)^2 / 2 < 2^63).
+
+What it cannot see: a wrong plan. P's question and D's sums are both made from D's read descriptors, so a
+descriptor built wrong (a wrong D block, head or token offset, a misread kernel layout) is summed where it was
+written and matches. The plan is proven against vLLM's own kernel writes by tests (docs/reliability.md, "What the
+digest proves").
 
 Computed with plain tensor operations on the device where the KV lives, with no copy to the host and no kernel
 of our own: :func:`digest_runs` gathers runs of whole 256-byte rows (whole blocks, usually) by row and

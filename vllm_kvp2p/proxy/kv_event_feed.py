@@ -3,17 +3,35 @@
 It subscribes to the engine's publisher, decodes each message (:mod:`kv_events`), hands it to the instance's
 :class:`~vllm_kvp2p.proxy.cache_index.InstanceCache` and carries out the verdict: on a gap it asks the engine's
 replay socket (a DEALER speaking to vLLM's ROUTER: ``["", start_seq]`` in; ``["", topic, seq, payload]`` out, or
-``["", seq, payload]`` from vLLM 0.23, until the ``seq == -1`` marker), bounded in time and count. Without a
-replay endpoint, or when the replay fails, the index restarts from the live stream. Every stored event is also a
-chance to check the proxy's block hashes against the engine's (:meth:`InstancePool.check_hashes`). Garbage is
-counted and logged, never raised: a broken or hostile publisher costs routing quality only, and ZMQ reconnects by
-itself when a publisher restarts.
+``["", seq, payload]`` from vLLM 0.23, until the ``seq == -1`` marker), bounded in time and bytes, and applies each
+replayed batch as it arrives. Without a replay endpoint, or when the replay fails, the index restarts from the live
+stream. Every stored event is also a chance to check the proxy's block hashes against the engine's
+(:meth:`InstancePool.check_hashes`). ZMQ reconnects by itself when a publisher restarts.
+
+The feed shares the proxy's event loop with every request, so it must never hold it (issue 37, item 2):
+
+* decoding runs on a thread of the feed's own, one message at a time: awaiting it suspends the feed after every
+  message. ``await sock.recv_multipart()`` alone does not: while messages are queued it returns without yielding,
+  so a flood would starve every other task and no ``asyncio.timeout`` would fire. The decoder's C calls are short
+  (token ids are skipped undecoded), so the thread hands the GIL back within Python's switch interval;
+* what runs on the loop per message is applying it to the index: O(its block keys), at most
+  :data:`~vllm_kvp2p.proxy.kv_events.MAX_BATCH_KEYS`;
+* memory: ZMQ queues at most :data:`RCVHWM` messages of at most ``MAX_PAYLOAD_BYTES`` per socket (past that the
+  publisher drops, and the gap is replayed or the index restarts); one message is decoded at a time; a replay
+  keeps no batch (each is applied as it arrives) and stops after :data:`MAX_REPLAY_BYTES`;
+* the request path reads the index (a dict) and never awaits the feed.
+
+What a broken or hostile publisher can do, then, is spoil this instance's routing (garbage is counted and logged,
+never raised) and use the feed's share of the proxy's CPU: its flood slows the proxy's requests by the time the
+loop spends applying batches (measured: docs/reliability.md, "A KV-event flood").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 import zmq.asyncio
@@ -33,9 +51,17 @@ from vllm_kvp2p.proxy.kv_events import (
 
 logger = logging.getLogger("vllm_kvp2p.proxy.kv_events")
 
+#: How long the replay socket may stay silent (before its first batch and between two).
 REPLAY_TIMEOUT_S = 2.0
+#: A whole replay's time: vLLM keeps 10,000 batches, each applied here as it arrives.
+MAX_REPLAY_S = 20.0
 #: vLLM keeps 10,000 batches for replay by default; a replay longer than this is cut (the index then restarts).
 MAX_REPLAY_MESSAGES = 100_000
+#: A replay's bytes: past them it is cut (and the index restarts from the live stream): bounds its time, not its
+#: memory (each batch is applied as it arrives).
+MAX_REPLAY_BYTES = 256 * 1024 * 1024
+#: Messages ZMQ may queue per socket (its default is 1000): at most RCVHWM x MAX_PAYLOAD_BYTES (64 MiB) waiting.
+RCVHWM = 16
 
 
 class KVEventFeed:
@@ -48,16 +74,20 @@ class KVEventFeed:
         self._inst = inst
         self._hasher = hasher
         self._mismatch_logged = False
+        self._decoder = ThreadPoolExecutor(1)  # replaced by each run(), which names its thread
         self.messages = 0
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self._inst.events_endpoint)
         logger.info("KV events of %s: subscribed to %s (replay %s)", self._inst.url, self._inst.events_endpoint,
                     self._inst.replay_endpoint or "none")
+        # One thread per feed: a flood on one instance's publisher delays only that instance's decoding.
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"kv-events {self._inst.url}")
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -68,27 +98,34 @@ class KVEventFeed:
                     self._inst.cache.reset()
         finally:
             sub.close(linger=0)
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+
+    async def _decode(self, frames: list[bytes]) -> EventBatch:
+        """Decoded on the feed's thread; always suspends the feed (see the module's docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(self._decoder, decode_message, frames)
 
     async def _on_message(self, frames: list[bytes]) -> None:
         cache = self._inst.cache
         try:
-            batch = decode_message(frames)
+            batch = await self._decode(frames)
         except BadEvents as exc:
-            cache.bad_messages += 1
-            if cache.bad_messages <= 3 or cache.bad_messages % 1000 == 0:
-                logger.warning("KV events of %s: message ignored (%d so far): %s", self._inst.url,
-                               cache.bad_messages, exc)
+            self._bad(exc)
             return
+        del frames  # the payload's bytes are not kept past decoding
         self.messages += 1
         verdict = cache.apply(batch)
         if isinstance(verdict, Replay):
-            replayed = await self._replay(verdict.from_seq)
-            if replayed is None:
+            if not await self._replay(verdict.from_seq, batch):
                 cache.reset()
                 cache.apply(batch)
-            else:
-                cache.replayed([*replayed, batch], verdict.from_seq)
         self._check_hashes(batch)
+
+    def _bad(self, exc: BadEvents) -> None:
+        cache = self._inst.cache
+        cache.bad_messages += 1
+        if cache.bad_messages <= 3 or cache.bad_messages % 1000 == 0:
+            logger.warning("KV events of %s: message ignored (%d so far): %s", self._inst.url, cache.bad_messages,
+                           exc)
 
     def _check_hashes(self, batch: EventBatch) -> None:
         for event in batch.events:
@@ -103,32 +140,52 @@ class KVEventFeed:
                         "vLLM's default" if self._hasher.seed == "vllm-none-hash" else "from --hash-seed",
                     )
 
-    async def _replay(self, from_seq: int) -> list[EventBatch] | None:
-        """The batches from ``from_seq`` on, from the replay socket; ``None`` when there is none or it failed."""
+    async def _replay(self, from_seq: int, live: EventBatch) -> bool:
+        """Apply the batches from ``from_seq`` on, from the replay socket, as they arrive, then ``live`` (the batch
+        that showed the gap). False when there is no replay socket or the replay failed (the caller resets)."""
         if self._inst.replay_endpoint is None:
-            return None
+            return False
+        cache = self._inst.cache
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, 0)
-        out: list[EventBatch] = []
+        expected, messages, size = from_seq, 0, 0
+        deadline = time.monotonic() + MAX_REPLAY_S
+
+        def apply(batch: EventBatch) -> None:
+            nonlocal expected
+            repeat = cache.last_seq is not None and batch.seq <= cache.last_seq
+            cache.replayed([batch], expected)  # in order, or the index restarts from it
+            if not repeat:
+                expected = batch.seq + 1
+
         try:
             sock.connect(self._inst.replay_endpoint)
             await sock.send_multipart([b"", from_seq.to_bytes(8, "big")])
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                while len(out) < MAX_REPLAY_MESSAGES:
+            while True:
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):
                     frames = await sock.recv_multipart()
-                    # ["", topic, seq, payload] (vLLM 0.32) or ["", seq, payload] (vLLM 0.23).
-                    if len(frames) not in (3, 4) or frames[0] != b"":
-                        raise BadEvents(f"replay answer of {len(frames)} frames")
-                    message = frames[1:] if len(frames) == 4 else [b"", *frames[1:]]
-                    if decode_seq(message[1]) == END_OF_REPLAY:
-                        return out
-                    out.append(decode_message(message))
-            raise BadEvents(f"replay longer than {MAX_REPLAY_MESSAGES} messages")
+                # ["", topic, seq, payload] (vLLM 0.32) or ["", seq, payload] (vLLM 0.23).
+                if len(frames) not in (3, 4) or frames[0] != b"":
+                    raise BadEvents(f"replay answer of {len(frames)} frames")
+                message = frames[1:] if len(frames) == 4 else [b"", *frames[1:]]
+                if decode_seq(message[1]) == END_OF_REPLAY:
+                    apply(live)
+                    return True
+                messages += 1
+                size += sum(len(f) for f in frames)
+                if messages > MAX_REPLAY_MESSAGES or size > MAX_REPLAY_BYTES:
+                    raise BadEvents(f"replay longer than {MAX_REPLAY_MESSAGES} messages or "
+                                    f"{MAX_REPLAY_BYTES >> 20} MiB")
+                del frames
+                apply(await self._decode(message))  # suspends: the timeout can fire, the loop runs
+                if time.monotonic() > deadline:  # however the loop was scheduled
+                    raise TimeoutError
         except (TimeoutError, BadEvents, zmq.ZMQError) as exc:
             logger.warning("KV events of %s: replay from seq %d failed (%s): the index restarts from the live "
-                           "stream", self._inst.url, from_seq, exc or type(exc).__name__)
-            return None
+                           "stream", self._inst.url, from_seq, str(exc) or type(exc).__name__)
+            return False
         finally:
             sock.close(linger=0)
 

@@ -13,8 +13,14 @@ The proxy turns block hashes into 64-bit keys the way vLLM does under ``VLLM_KV_
 (the hash's last 8 bytes, big-endian), so events with byte or int hashes index alike.
 
 Everything here is hostile-input safe: a frame larger than :data:`MAX_PAYLOAD_BYTES`, more than
-:data:`MAX_EVENTS` events, more than :data:`MAX_HASHES` hashes in one event, a wrong shape or type all give one
-:class:`BadEvents` with a short reason; event types this version does not know are skipped and counted.
+:data:`MAX_EVENTS` events, more than :data:`MAX_HASHES` hashes in one event or :data:`MAX_BATCH_KEYS` in one batch,
+a wrong shape or type all give one :class:`BadEvents` with a short reason; event types this version does not know
+are skipped and counted.
+
+Only what routing uses is kept: the block keys, and the first block's token ids of a prompt's first block (what
+:meth:`~vllm_kvp2p.proxy.block_hashes.PromptHasher.check` compares). A ``BlockStored`` of a 64k-token prompt carries
+all 64k token ids; they are skipped undecoded (``msgspec.Raw``), so decoding costs O(hashes), not O(tokens), and no
+single C call (which holds the GIL, see :mod:`kv_event_feed`) lasts long.
 """
 
 from __future__ import annotations
@@ -23,10 +29,16 @@ from dataclasses import dataclass
 
 import msgspec
 
-MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+#: One engine step's events. vLLM writes ~3-5 bytes per token id and ~35 per hash: a step storing 64k tokens
+#: publishes ~0.3 MiB, so 4 MiB is ~800k tokens in one step. ZMQ disconnects a peer sending more (MAXMSGSIZE).
+MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 MAX_EVENTS = 65_536
 MAX_HASHES = 65_536
+#: Block keys (stored + removed) of one batch: what applying it costs on the proxy's event loop (~10 ms at most).
+MAX_BATCH_KEYS = 65_536
 MAX_TOKENS = MAX_HASHES * 1024
+#: A first block longer than this is not kept for the hash check (which then cannot tell, and waits for another).
+MAX_CHECKED_BLOCK_TOKENS = 65_536
 #: The seq of the replay socket's end-of-replay marker.
 END_OF_REPLAY = -1
 _KEY_MASK = (1 << 64) - 1
@@ -48,7 +60,8 @@ def block_key(block_hash: bytes | int) -> BlockKey:
 class _Stored(msgspec.Struct, tag="BlockStored"):
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
-    token_ids: list[int]
+    # Skipped, not decoded: only the first block's ids are read (see _first_tokens).
+    token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -91,6 +104,7 @@ _batch_decoder = msgspec.msgpack.Decoder(_Batch)
 _map_event_decoder = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
 _array_event_decoder = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
 _any = msgspec.msgpack.Decoder()
+_token_list = msgspec.msgpack.Decoder(list[int])
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,8 @@ class BlocksStored:
     #: For checking the proxy's own hashes against the engine's (see :mod:`block_hashes`).
     raw_first_hash: bytes | int
     raw_parent: bytes | int | None
+    #: The first block's token ids (at most ``block_size``) when this is a prompt's first block without extra keys
+    #: (the only event :meth:`PromptHasher.check` compares); empty otherwise. The rest are never kept.
     token_ids: tuple[int, ...]
     block_size: int
     #: True when the hashes depend on more than the tokens (LoRA, multimodal input, a cache salt).
@@ -162,7 +178,7 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
     if len(batch.events) > MAX_EVENTS:
         raise BadEvents(f"{len(batch.events)} events in one batch exceeds {MAX_EVENTS}")
     events: list[Event] = []
-    unknown = 0
+    unknown = keys = 0
     for raw in batch.events:
         decoder = _array_event_decoder if _is_array(raw) else _map_event_decoder
         try:
@@ -174,7 +190,12 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
             raise BadEvents(f"malformed event: {exc}") from None
         except msgspec.MsgspecError as exc:
             raise BadEvents(f"malformed event: {exc}") from None
-        events.append(_convert(event))
+        converted = _convert(event)
+        if not isinstance(converted, AllCleared):
+            keys += len(converted.keys)
+            if keys > MAX_BATCH_KEYS:
+                raise BadEvents(f"more than {MAX_BATCH_KEYS} block hashes in one batch")
+        events.append(converted)
     return EventBatch(seq, batch.ts, tuple(events), batch.data_parallel_rank, unknown)
 
 
@@ -210,17 +231,59 @@ def _convert(event: _Stored | _Removed | _Cleared) -> Event:  # the array varian
         raise BadEvents("BlockStored without block hashes")
     if not 0 < event.block_size <= 1_048_576:
         raise BadEvents(f"block_size {event.block_size} out of range")
-    if len(event.token_ids) > MAX_TOKENS:
-        raise BadEvents(f"{len(event.token_ids)} token ids in one event exceeds {MAX_TOKENS}")
     extra = bool(event.lora_name or event.lora_id or (event.extra_keys and any(k for k in event.extra_keys)))
+    checked = event.parent_block_hash is None and not extra and event.block_size <= MAX_CHECKED_BLOCK_TOKENS
+    tokens = _first_tokens(event.token_ids, event.block_size if checked else 0)
     return BlocksStored(
         keys=keys,
         parent=None if event.parent_block_hash is None else block_key(event.parent_block_hash),
         raw_first_hash=event.block_hashes[0],
         raw_parent=event.parent_block_hash,
-        token_ids=tuple(event.token_ids),
+        token_ids=tokens,
         block_size=event.block_size,
         has_extra_keys=extra,
         medium=event.medium,
         group_idx=event.group_idx,
     )
+
+
+# msgpack int encodings -> their size in bytes: positive / negative fixint 1, uint8 / int8 2, ... 64-bit 9.
+_INT_SIZES = {**{b: 1 for b in range(0x80)}, **{b: 1 for b in range(0xE0, 0x100)},
+              0xCC: 2, 0xD0: 2, 0xCD: 3, 0xD1: 3, 0xCE: 5, 0xD2: 5, 0xCF: 9, 0xD3: 9}
+
+
+def _first_tokens(raw: msgspec.Raw, want: int) -> tuple[int, ...]:
+    """The first ``want`` ints of the msgpack array ``raw`` (all of it when shorter), the others skipped unread.
+
+    Walks ``want`` element headers in Python (a block: 16..a few hundred) and decodes just those bytes, so a
+    64k-token event costs what its first block costs.
+    """
+    buf = memoryview(raw)
+    if not buf:
+        raise BadEvents("token_ids: empty")
+    head = buf[0]
+    if 0x90 <= head <= 0x9F:
+        n, start = head & 0x0F, 1
+    elif head == 0xDC and len(buf) >= 3:
+        n, start = int.from_bytes(buf[1:3], "big"), 3
+    elif head == 0xDD and len(buf) >= 5:
+        n, start = int.from_bytes(buf[1:5], "big"), 5
+    else:
+        raise BadEvents("token_ids: not an array")
+    if n > MAX_TOKENS:
+        raise BadEvents(f"{n} token ids in one event exceeds {MAX_TOKENS}")
+    take = min(n, want)
+    if take == 0:
+        return ()
+    end = start
+    for _ in range(take):
+        size = _INT_SIZES.get(buf[end]) if end < len(buf) else None
+        if size is None:
+            raise BadEvents("token_ids: not an array of ints")
+        end += size
+    if end > len(buf):
+        raise BadEvents("token_ids: truncated")
+    try:
+        return tuple(_token_list.decode(b"\xdd" + take.to_bytes(4, "big") + buf[start:end].tobytes()))
+    except msgspec.MsgspecError as exc:
+        raise BadEvents(f"token_ids: {exc}") from None

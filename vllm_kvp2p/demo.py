@@ -49,6 +49,8 @@ METRICS = (("D", "vllm:kvp2p_pulls_verified_total", "pulls verified"),
 def _verdict(pull: dict) -> str:
     if pull.get("failure") == "corrupted":
         return "CORRUPTED (D recomputed the prompt)"
+    if pull.get("sums_lost"):
+        return "sums lost (P's digests did not reach D: a resent release, docs/reliability.md)"
     if pull.get("unverified"):
         return "unverified (P sent no digests)"
     if pull.get("verified"):

@@ -16,11 +16,14 @@ model at TP 1 and block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x
 16k-token prompt (4096 block-layers) admits a 2 GiB question: 2.4-3.3 s of one core at the 1.2-1.6 ms/MiB
 measured (one torch thread; docs/reliability.md). The thread takes one question at a time; at most
 ``MAX_PENDING_QUESTIONS`` wait (more are answered at once without sums: D counts those pulls unverified); a
-release resent while its sums run (D's client resends after 0.5 s) waits for the same answer, not a second sum.
+release resent while its sums run (D's client resends after 0.5 s) waits for the same answer, not a second sum;
+one resent after it was answered gets the answer the ledger kept (ProducerLedger.answer_release, bounded), or,
+once that is forgotten, a reply that says so (``Released.sums_lost``: D counts the pull apart, never verified).
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -67,6 +70,14 @@ WARNING_INTERVAL = 60.0  # seconds between two warnings of one reason
 MAX_PENDING_QUESTIONS = 64  # integrity questions waiting for their sums at once (one per reader's release)
 
 _ReleaseKey = tuple[str, str, str]  # (request id, hold id, reader)
+_SUMS_ENCODER = msgspec.msgpack.Encoder()  # an answer, as the ledger keeps it
+_SUMS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int]])  # UnitSums is array_like: [total, weighted]
+
+
+def _fingerprint(release: Release) -> bytes:
+    """What identifies a release that asks an integrity question (b"": it asks none): only the same release,
+    lease token and question included, gets the answer kept for it."""
+    return hashlib.sha256(msgspec.msgpack.encode(release)).digest() if release.verify is not None else b""
 
 
 class HoldService:
@@ -210,16 +221,20 @@ class HoldService:
 
     def _release(self, message: Release, now: float, sums: list[UnitSums] | None) -> Released:
         """Under the lock. The release is decided after the sums: if the lease lapsed meanwhile (and the blocks may
-        have been reused), P does not confirm the read, and D does not count it whatever the sums."""
-        held = self.ledger.release(
+        have been reused), P does not confirm the read, and D does not count it whatever the sums. The ledger keeps
+        the answer for the same release resent (ProducerLedger.answer_release)."""
+        answer = self.ledger.answer_release(
             message.request_id, message.hold_id, message.reader, message.expected_readers, now,
-            message.lease_token, message.pulled,
+            message.lease_token, message.pulled, question=_fingerprint(message),
+            sums=None if sums is None else _SUMS_ENCODER.encode(sums),
         )
-        logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s",
-                     message.request_id, message.hold_id, message.reader, message.pulled, held)
+        logger.debug("KV hold %s (hold %s): release by %s (pulled %s): lease held %s%s",
+                     message.request_id, message.hold_id, message.reader, message.pulled, answer.lease_held,
+                     ", its sums no longer kept" if answer.sums_lost else "")
         if self._on_release is not None:
             self._on_release()
-        return Released(held, sums if held else None)
+        kept = None if answer.sums is None else [UnitSums(t, w) for t, w in _SUMS_DECODER.decode(answer.sums)]
+        return Released(answer.lease_held, kept, sums_lost=answer.sums_lost)
 
     def _defer(self, release: Release) -> Reply | Future[Reply] | None:
         """On the side-channel thread, in O(1): the answer to a release whose question P checks and sums on its own

@@ -53,8 +53,10 @@ HOLDS = "holds"  # {counter: n}
 DROPPED = "dropped"  # {reason: n}
 GAUGES = "gauges"  # {rank: {"blocks_held": int, "oldest_hold_age": float}}, latest per rank
 HOLD_COUNTERS = ("created", "released", "expired", "claims_refused")
-INTEGRITY = "integrity"  # {counter: n}: D's pulls whose digests matched / that P gave no digests for
-INTEGRITY_COUNTERS = ("verified", "unverified")
+INTEGRITY = "integrity"  # {counter: n}: D's good pulls by integrity outcome (PullResult.integrity)
+# Digests matched / P gave none (an older P, a question P did not answer) / P had answered the release, but that
+# answer was lost and P no longer kept it for the resent copy D got (Released.sums_lost).
+INTEGRITY_COUNTERS = ("verified", "unverified", "sums_lost")
 
 # Known label values, exported at 0 from the start so that rate() works before the first event.
 FAILURE_KINDS = (
@@ -162,10 +164,10 @@ class Kvp2pStats(KVConnectorStats):
         if claim_rtt is not None and len(self.data[CLAIM_RTT]) < MAX_SAMPLES:
             self.data[CLAIM_RTT].append(float(claim_rtt))
 
-    def record_integrity(self, verified: bool) -> None:
-        """D: one good pull whose digests P and D compared and found equal (``verified``), or that P gave none
-        for with integrity checks on (an older P)."""
-        self.data[INTEGRITY]["verified" if verified else "unverified"] += 1
+    def record_integrity(self, outcome: str) -> None:
+        """D: one good pull with integrity checks on, by outcome (one of :data:`INTEGRITY_COUNTERS`)."""
+        if outcome in INTEGRITY_COUNTERS:
+            self.data[INTEGRITY][outcome] += 1
 
     def record_failure(self, kind: str) -> None:
         """D: one pull failed (kinds: ``lifecycle.consumer.Failure`` values)."""
@@ -261,6 +263,7 @@ class Kvp2pStats(KVConnectorStats):
             if any(d[INTEGRITY].values()):
                 out["Verified"] = d[INTEGRITY]["verified"]
                 out["Unverified"] = d[INTEGRITY]["unverified"]
+                out["Sums lost"] = d[INTEGRITY]["sums_lost"]
             for kind in sorted(d[FAILURES]):
                 if d[FAILURES][kind]:
                     out[f"Failures {kind}"] = d[FAILURES][kind]
@@ -335,6 +338,10 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
         self.pulls_unverified = counter(
             "vllm:kvp2p_pulls_unverified", "Pulls on D with integrity checks on that P gave no digests for."
         )
+        self.pulls_sums_lost = counter(
+            "vllm:kvp2p_pulls_sums_lost", "Pulls on D whose digests P computed but lost: the answer to the first "
+            "copy of a resent release did not arrive, and P no longer kept it for the copy."
+        )
         self.blocks_held = gauge("vllm:kvp2p_blocks_held", "KV blocks P holds for decoders, summed over its ranks.")
         self.oldest_hold_age = gauge(
             "vllm:kvp2p_oldest_hold_age_seconds", "Age of the oldest hold on P (max over its ranks)."
@@ -382,7 +389,8 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
             if holds.get(name):
                 metric[engine_idx].inc(holds[name])
         integrity = data.get(INTEGRITY) or {}
-        for metric, name in zip((self.pulls_verified, self.pulls_unverified), INTEGRITY_COUNTERS):
+        for metric, name in zip((self.pulls_verified, self.pulls_unverified, self.pulls_sums_lost),
+                                INTEGRITY_COUNTERS):
             if integrity.get(name):
                 metric[engine_idx].inc(integrity[name])
         for parent, key in ((self._failures, FAILURES), (self._dropped, DROPPED)):

@@ -291,6 +291,9 @@ class Released(msgspec.Struct, frozen=True, tag="released"):
 
     lease_held: bool
     sums: list[UnitSums] | None = None  # the answer to the release's question, in its order (None: not answered)
+    # No sums because this is a release P answered before and their answer is no longer kept (a resent release: D
+    # counts the pull "sums_lost", not "unverified"); an older P never sets it.
+    sums_lost: bool = False
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):

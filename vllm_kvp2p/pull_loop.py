@@ -375,7 +375,14 @@ class PullLoop:
                 return
             released = answer if isinstance(answer, Released) else None
             theirs = released.sums if released is not None and mine is not None else None
-            job.on_release_sent(action.source, released is not None and released.lease_held, mine or (), theirs)
+            lost = released is not None and released.sums_lost and action.verification is not None
+            if lost:
+                logger.warning("pull of %s: P rank %d had answered this release's integrity question, but that answer "
+                               "did not reach D and P no longer keeps it (D resent the release: P took longer than "
+                               "D's first wait to sum, e.g. integrity=full on large holds); the pull counts as "
+                               "sums_lost, not verified", plan.request_id, action.source.p_rank)
+            job.on_release_sent(action.source, released is not None and released.lease_held, mine or (), theirs,
+                                lost)
 
     def _local_sums(self, plan: PullPlan, verification: Verification | None) -> list[tuple[int, int]] | None:
         """D's sums over its copies of the units the release asks P about; None when none are asked or they

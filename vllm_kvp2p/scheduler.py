@@ -89,6 +89,7 @@ class PullReport:
     failure: str = ""  # lifecycle.consumer.Failure value, for the metrics
     verified: int = 0  # units (a block of one plane) whose integrity digests matched P's, over all ranks
     unverified: bool = False  # a rank's P gave no digests with integrity checks on
+    sums_lost: bool = False  # a rank's P had answered the release, its digests lost on the way (a resent release)
 
     def merge(self, other: PullReport) -> PullReport:
         return PullReport(
@@ -101,6 +102,7 @@ class PullReport:
             self.failure or other.failure,
             self.verified + other.verified,
             self.unverified or other.unverified,
+            self.sums_lost or other.sums_lost,
         )
 
 
@@ -440,4 +442,5 @@ def _report_dict(report: PullReport) -> dict[str, Any]:
         **({"failure": report.failure} if report.failure else {}),
         **({"verified": report.verified} if report.verified else {}),
         **({"unverified": True} if report.unverified else {}),
+        **({"sums_lost": True} if report.sums_lost else {}),
     }

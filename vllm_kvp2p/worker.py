@@ -348,8 +348,8 @@ class WorkerSide:
                 if r.failure is None and r.num_blocks:
                     with self._stats_lock:
                         self._stats.record_pull(timed.seconds, r.num_bytes, r.num_descriptors, timed.claim_seconds)
-                        if r.verified_units or r.unverified:
-                            self._stats.record_integrity(verified=not r.unverified)
+                        if r.integrity:
+                            self._stats.record_integrity(r.integrity)
                 if not r.report_finished:
                     continue
                 recving.add(r.request_id)
@@ -360,6 +360,7 @@ class WorkerSide:
                 self._reports[r.request_id] = PullReport(
                     not r.report_failed, r.num_blocks, r.num_bytes, r.num_descriptors, timed.seconds, r.reason,
                     r.failure.value if r.failure is not None else "", r.verified_units, r.unverified,
+                    r.sums_lost,
                 )
         if recving and logger.isEnabledFor(logging.DEBUG):
             logger.debug("rank %d reports the receives of %s to the scheduler", self.rank, sorted(recving))

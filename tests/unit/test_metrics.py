@@ -324,9 +324,8 @@ def test_prometheus_names_labels_and_values() -> None:
     s = d_stats()
     s.record_holds(created=2, released=1, expired=1, claims_refused=1)
     s.record_dropped("undecodable", 2)
-    s.record_integrity(verified=True)
-    s.record_integrity(verified=True)
-    s.record_integrity(verified=False)
+    for outcome in ("verified", "verified", "unverified", "sums_lost"):
+        s.record_integrity(outcome)
     s.set_gauges("0", blocks_held=10, oldest_hold_age=1.5)
     s.set_gauges("1", blocks_held=11, oldest_hold_age=2.5)
     prom.observe(wire(s.data), engine_idx=1)
@@ -340,7 +339,7 @@ def test_prometheus_names_labels_and_values() -> None:
         "vllm:kvp2p_claim_rtt_seconds", "vllm:kvp2p_pull_failures", "vllm:kvp2p_holds_created",
         "vllm:kvp2p_holds_released", "vllm:kvp2p_holds_expired", "vllm:kvp2p_claims_refused",
         "vllm:kvp2p_side_channel_dropped", "vllm:kvp2p_blocks_held", "vllm:kvp2p_oldest_hold_age_seconds",
-        "vllm:kvp2p_pulls_verified", "vllm:kvp2p_pulls_unverified",
+        "vllm:kvp2p_pulls_verified", "vllm:kvp2p_pulls_unverified", "vllm:kvp2p_pulls_sums_lost",
     }  # fmt: skip
     assert value("vllm:kvp2p_pull_seconds_count") == 2 and value("vllm:kvp2p_pull_seconds_sum") == pytest.approx(0.4)
     assert value("vllm:kvp2p_pull_seconds_count", engine="0") == 0  # the other engine's series is untouched
@@ -353,6 +352,7 @@ def test_prometheus_names_labels_and_values() -> None:
     assert [value(f"vllm:kvp2p_{n}_total") for n in ("holds_created", "holds_released", "holds_expired")] == [2, 1, 1]
     assert value("vllm:kvp2p_claims_refused_total") == 1
     assert value("vllm:kvp2p_pulls_verified_total") == 2 and value("vllm:kvp2p_pulls_unverified_total") == 1
+    assert value("vllm:kvp2p_pulls_sums_lost_total") == 1  # its own counter, not folded into unverified
     assert value("vllm:kvp2p_pull_failures_total", reason="corrupted") == 0  # a mismatch is a failure of its kind
     assert (value("vllm:kvp2p_blocks_held"), value("vllm:kvp2p_oldest_hold_age_seconds")) == (21, 2.5)
     # Metrics went where vLLM's metric_types pointed, not to prometheus_client's default registry.

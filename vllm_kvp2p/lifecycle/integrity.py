@@ -66,6 +66,7 @@ class Verdict(enum.Enum):
     MATCHED = "matched"
     MISMATCHED = "mismatched"
     UNVERIFIED = "unverified"  # P gave no sums (an older P, or a question over its bounds)
+    SUMS_LOST = "sums_lost"  # P answered this release before, and no longer has those sums (a resent release)
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,12 @@ QUESTION_RULES: tuple[Rule, ...] = (_within_the_wire_bounds, _inside_p_blocks, _
                                     _ranges_sorted_and_disjoint, _bytes_within_the_hold)
 
 
-def judge(query: DigestQuery, mine: Sequence[tuple[int, int]], theirs: Sequence[UnitSums] | None) -> Judgement:
-    """D's sums ``mine`` against P's ``theirs`` for the units of ``query``, in order."""
+def judge(query: DigestQuery, mine: Sequence[tuple[int, int]], theirs: Sequence[UnitSums] | None,
+          sums_lost: bool = False) -> Judgement:
+    """D's sums ``mine`` against P's ``theirs`` for the units of ``query``, in order. ``sums_lost``: P said its
+    answer to this release is no longer kept (``Released.sums_lost``: the release was resent after P answered it)."""
+    if theirs is None and sums_lost:
+        return Judgement(Verdict.SUMS_LOST)
     if theirs is None or len(theirs) != len(query.units) or len(mine) != len(query.units):
         return Judgement(Verdict.UNVERIFIED)  # never a match by default: zip() would stop at the shorter list
     for unit, (total, weighted), sums in zip(query.units, mine, theirs):

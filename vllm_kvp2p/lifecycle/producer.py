@@ -40,6 +40,8 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
   already delayed its free) but reported; a hold has at most ``MAX_TP_SIZE`` distinct readers; peer ids longer
   than ``MAX_ID_LENGTH`` (readers: a little more) are refused. Every refusal is counted in
   :attr:`ProducerLedger.counters` and reported as a :class:`LedgerEvent` whose ``reason`` names the counter.
+* The answers kept for resent releases (:meth:`ProducerLedger.answer_release`) are the latest
+  ``max_kept_answers``, at most ``max_kept_answer_bytes`` in all; older ones are forgotten first.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read fr
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
 STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
+MAX_KEPT_ANSWERS = 16384  # releases whose integrity answer is kept for the same release resent
+MAX_KEPT_ANSWER_BYTES = 16 << 20  # their answers' bytes (one of 4096 units, the most a question names: ~80 KiB)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,21 @@ class LedgerEvent:
     request_id: str
     what: str
     reason: str = ""  # the counter a refusal or a bound hit was counted under ("": an ordinary event)
+
+
+@dataclass(frozen=True)
+class ReleaseAnswer:
+    """What P answers a release (:meth:`ProducerLedger.answer_release`)."""
+
+    lease_held: bool  # the reader's lease held from its claim to its release (ProducerLedger.release)
+    sums: bytes | None = None  # the answer to the release's integrity question, as the adapter gave it; None: none
+    sums_lost: bool = False  # the same release was answered sums before, and they are no longer kept
+
+
+@dataclass(frozen=True)
+class _KeptAnswer:
+    question: bytes  # what identifies the release that asked (the adapter's fingerprint of it)
+    sums: bytes | None
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,8 @@ class ProducerLedger:
         max_early_releases: int = MAX_EARLY_RELEASES,
         early_release_ttl: float = EARLY_RELEASE_TTL,
         clock_skew: float = CLOCK_SKEW,
+        max_kept_answers: int = MAX_KEPT_ANSWERS,
+        max_kept_answer_bytes: int = MAX_KEPT_ANSWER_BYTES,
         token_factory: Callable[[], str] = lambda: secrets.token_hex(16),
     ) -> None:
         self.hold_timeout = hold_timeout
@@ -113,6 +134,11 @@ class ProducerLedger:
         self._tombstones: OrderedDict[Key, HoldState] = OrderedDict()
         self._confirmed: dict[Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
         self._tombstone_limit = tombstones
+        # The answer each reader's first release got, for that release resent (answer_release): oldest first.
+        self._answers: OrderedDict[tuple[str, str, str], _KeptAnswer] = OrderedDict()
+        self._answer_bytes = 0
+        self.max_kept_answers = max_kept_answers
+        self.max_kept_answer_bytes = max_kept_answer_bytes
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
         self.counters: Counter[str] = Counter()
@@ -150,6 +176,7 @@ class ProducerLedger:
             "freed": len(self._freed),
             "deadlines": len(self._deadlines),
             "readers_per_hold": max((h.num_readers for h in self._holds.values()), default=0),
+            "kept_answers": len(self._answers),
         }
 
     # ------------------------------------------------------------------ events from vLLM
@@ -279,6 +306,34 @@ class ProducerLedger:
             return None
         return HeldUnits.of(hold.blocks, plane_groups, planes)
 
+    def answer_release(
+        self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
+        pulled: bool = False, *, question: bytes = b"", sums: bytes | None = None,
+    ) -> ReleaseAnswer:
+        """:meth:`release`, and the answer to the release's integrity question. ``question``: what identifies the
+        release that asks one (the adapter's fingerprint of the whole release, its lease token included; b"": none
+        asked); ``sums``: the adapter's answer, computed while the reader's lease was live (None: not answered).
+
+        The release that ends the reader's live lease is answered ``sums`` if the read is confirmed, and that answer
+        is kept, bounded, for the same release sent again: D resends a release it got no answer to on a fresh socket
+        (the first time after 0.5 s), so the first answer may be lost, or arrive on a socket D gave up, exactly when
+        P is slow to sum. The copy, which finds no lease (the first ended it), gets the kept answer; if it is no
+        longer kept, ``sums_lost`` (D counts that pull apart from one P answered no sums for). Any other release
+        (another question, or one that ends no lease) is answered no sums."""
+        hold = self._holds.get((request_id, hold_id))
+        ends_lease = hold is not None and reader in hold.leases
+        held = self.release(request_id, hold_id, reader, expected_readers, now, lease_token, pulled)
+        if not (held and pulled and question):
+            return ReleaseAnswer(held)
+        key = (request_id, hold_id, reader)
+        if ends_lease:
+            self._keep_answer(key, _KeptAnswer(question, sums))
+            return ReleaseAnswer(held, sums)
+        kept = self._answers.get(key)  # P confirmed this reader's read before: this is its release again
+        if kept is None:
+            return ReleaseAnswer(held, sums_lost=True)
+        return ReleaseAnswer(held, kept.sums if kept.question == question else None)
+
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
         pulled: bool = False,
@@ -379,6 +434,16 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ internals
 
+    def _keep_answer(self, key: tuple[str, str, str], answer: _KeptAnswer) -> None:
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._answer_bytes -= _cost(old)
+        self._answers[key] = answer
+        self._answer_bytes += _cost(answer)
+        while self._answers and (len(self._answers) > self.max_kept_answers
+                                 or self._answer_bytes > self.max_kept_answer_bytes):
+            self._answer_bytes -= _cost(self._answers.popitem(last=False)[1])
+
     def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
         key = (request_id, hold_id)
         prev = self._early.pop(key, None)
@@ -461,3 +526,7 @@ class ProducerLedger:
 
     def _event(self, request_id: str, what: str, reason: str = "") -> None:
         self.events.append(LedgerEvent(request_id, what, reason))
+
+
+def _cost(answer: _KeptAnswer) -> int:
+    return len(answer.question) + len(answer.sums or b"")

@@ -114,6 +114,7 @@ class ConsumerPull:
         self.sampled_units = sampled_units
         self._verified_units = 0
         self._unverified = False
+        self._sums_lost = False
         self.reader = reader
         self.local = local
         self.claim_wait = claim_wait
@@ -278,11 +279,12 @@ class ConsumerPull:
             self._next_source()
 
     def on_release_sent(self, source: Source, lease_held: bool = True, mine: Sequence[tuple[int, int]] = (),
-                        theirs: Sequence[UnitSums] | None = None) -> None:
+                        theirs: Sequence[UnitSums] | None = None, sums_lost: bool = False) -> None:
         """P answered the release; ``lease_held``: P confirms the lease held from claim to release. A read from
         this rank counts only then: otherwise its blocks may have been freed and reused during the read. With the
         release's integrity question, ``mine`` are D's sums over its copies and ``theirs`` P's answer: a read
-        counts only when they are equal (none from P: unverified, counted, not failed)."""
+        counts only when they are equal (none from P: unverified, counted, not failed; none because P no longer
+        kept its answer to this release, resent, ``sums_lost``: counted apart)."""
         for st in self._sources:
             if st.source == source:
                 if self._pulled(st.source) and not lease_held:
@@ -290,12 +292,14 @@ class ConsumerPull:
                                      "(it lapsed: the blocks may have been freed during the read)")
                     self._kind = Failure.LEASE_LOST
                 elif self._pulled(st.source) and st.verification is not None:
-                    self._judge(st, judge(st.verification.query, mine, theirs))
+                    self._judge(st, judge(st.verification.query, mine, theirs, sums_lost))
                 st.released = True
 
     def _judge(self, st: _SourceState, judgement: Judgement) -> None:
         if judgement.verdict is Verdict.UNVERIFIED:
             self._unverified = True
+        elif judgement.verdict is Verdict.SUMS_LOST:
+            self._sums_lost = True
         elif judgement.verdict is Verdict.MATCHED:
             self._verified_units += judgement.units
         else:
@@ -456,7 +460,8 @@ class ConsumerPull:
             reason=self._failure,
             failure=self._kind if outcome is Outcome.FAILED else None,
             verified_units=self._verified_units if outcome is Outcome.PULLED else 0,
-            unverified=self._unverified and outcome is Outcome.PULLED,
+            unverified=self._unverified and not self._sums_lost and outcome is Outcome.PULLED,
+            sums_lost=self._sums_lost and outcome is Outcome.PULLED,
             unreachable_rank=self._unreachable_rank if self._kind is Failure.UNREACHABLE else None,
         )
 

@@ -121,7 +121,16 @@ class PullResult:
     failure: Failure | None = None  # set when the outcome is FAILED
     verified_units: int = 0  # units whose digests P and D compared and found equal
     unverified: bool = False  # a rank read from gave no digests (an older P), with integrity checks on
+    sums_lost: bool = False  # a rank's digests were lost: it answered the release before, not the copy D got
     unreachable_rank: int | None = None  # the P rank that did not answer (failure UNREACHABLE)
+
+    @property
+    def integrity(self) -> str:
+        """The pull's integrity outcome, a metrics counter (vllm_kvp2p/metrics.INTEGRITY_COUNTERS); "": not checked.
+        A rank's lost sums outrank another's missing ones: that is the one to look into."""
+        if self.sums_lost:
+            return "sums_lost"
+        return "unverified" if self.unverified else "verified" if self.verified_units else ""
 
     @property
     def report_finished(self) -> bool:

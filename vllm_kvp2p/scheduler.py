@@ -31,11 +31,12 @@ from vllm_kvp2p.kv_groups import (
     load_failure_problem,
     needed_tail,
 )
-from vllm_kvp2p.lifecycle.admission import Admitted, Prompt
+from vllm_kvp2p.lifecycle.admission import Admitted, Prompt, UnboundPrompt
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.lora_weights import lora_digest
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.step_wakeup import StepWaiter
@@ -169,6 +170,18 @@ class SchedulerSide:
         self.stats = Kvp2pStats()
         self._crashed: OrderedDict[str, None] = OrderedDict()  # requests a hook failed on (logged once each)
         self._digests: OrderedDict[str, tuple[int, str]] = OrderedDict()  # D: request -> (tokens, their digest)
+        self._unbound_warned: OrderedDict[str, None] = OrderedDict()  # P: prompts not offered, one WARNING each why
+
+    def _warn_unbound(self, why: str) -> None:
+        """P: a finished prefill offered to no decoder because its prompt cannot be bound (the adapter's weights
+        unreadable here); one WARNING per reason (at most 64 remembered), DEBUG after."""
+        if why in self._unbound_warned:
+            logger.debug("KV of a request not offered to a decoder: %s", why)
+            return
+        self._unbound_warned[why] = None
+        while len(self._unbound_warned) > 64:
+            self._unbound_warned.popitem(last=False)
+        logger.warning("KV not offered to a decoder (D computes the prompt itself): %s", why)
 
     # ------------------------------------------------------------------ no exception leaves a hook
 
@@ -301,7 +314,11 @@ class SchedulerSide:
         if not any(block_ids):
             return False, None
         num_tokens = request.num_computed_tokens
-        digest = request_digest(request, num_tokens)
+        try:
+            digest = request_digest(request, num_tokens)
+        except UnboundPrompt as exc:  # its KV cannot be bound to D's prompt: free now, D computes the prompt
+            self._warn_unbound(str(exc))
+            return False, None
         shared = self._siblings.shared(request.request_id, num_tokens, digest)
         if shared is not None:
             # A child of an n > 1 request whose sibling holds the same KV: answer with that hold, free these blocks.
@@ -411,13 +428,14 @@ def _drop_last_prompt_token(request: Request) -> None:
 
 def request_digest(request: Request, num_tokens: int) -> str:
     """``prompt_digest`` of a request's first ``num_tokens`` tokens with what else decides their KV: the LoRA
-    adapter, multimodal inputs starting among them (vLLM's identifier and position), prompt embeddings. P (over
+    adapter (by its weights, not its name: vllm_kvp2p/lora_weights.py; raises UnboundPrompt when they cannot be
+    read here), multimodal inputs starting among them (vLLM's identifier and position), prompt embeddings. P (over
     what it offers) and D (over its own prompt) call it alike; ``cache_salt`` is left out: it isolates caches, it
     does not change KV."""
     extras: list[str] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        extras.append(f"lora:{getattr(lora, 'lora_name', '')}")
+        extras.append(f"lora-weights:{lora_digest(lora)}")
     for feature in getattr(request, "mm_features", None) or ():
         position = feature.mm_position
         if position.offset < num_tokens:

@@ -74,9 +74,16 @@ class Decoder:
         return len(self.groups) == 1 and self.groups[0].kind == FULL
 
 
+class UnboundPrompt(ValueError):
+    """A request's KV depends on something this process cannot identify (a LoRA adapter whose weights it cannot
+    read: vllm_kvp2p/lora_weights.py), so its prompt cannot be bound to P's: P offers no params for it, D refuses
+    any. Raised by :attr:`Prompt.digest`; the message names what to change."""
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """D's request as the verdict needs it: its length and the digest of its first ``n`` tokens."""
+    """D's request as the verdict needs it: its length and the digest of its first ``n`` tokens (which raises
+    :class:`UnboundPrompt` when they cannot be bound)."""
 
     num_tokens: int
     digest: Callable[[int], str]
@@ -176,9 +183,13 @@ def _binding_problem(remote: RemotePrefill, prompt: Prompt) -> str:
     n = remote.remote_num_tokens
     if not remote.remote_prompt_digest:
         return "remote_prompt_digest is missing (P of an older release, or params not issued by P)"
-    if remote.remote_prompt_digest != prompt.digest(n):
+    try:
+        digest = prompt.digest(n)
+    except UnboundPrompt as exc:
+        return f"this request's prompt cannot be bound to P's: {exc}"
+    if remote.remote_prompt_digest != digest:
         return (f"remote_prompt_digest does not match this request's first {n} prompt tokens (params issued for "
-                "another prompt)")
+                "another prompt, or P computed them with another LoRA adapter's weights or other inputs)")
     return ""
 
 

@@ -43,11 +43,14 @@ MAX_TOKENS = 1 << 40
 MAX_BLOCK_ID = (1 << 62) - 1  # below every signed 64-bit bound (msgpack, C++)
 MAX_BLOCKS_PER_GROUP = 1 << 22
 MAX_HOST_LENGTH = 253  # no address or host name is longer
+MAX_SEGMENT_LENGTH = MAX_HOST_LENGTH + 8  # a Mooncake segment, "host:port" ("[v6]:port")
+MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>" (the ledger's bound, lifecycle/producer.py)
 PortRanges = tuple[tuple[int, int], ...]
 ANY_PORT: PortRanges = ((1, 65535),)
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 OptionalId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LENGTH)]
+Reader = Annotated[str, msgspec.Meta(max_length=MAX_READER_LENGTH)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 GroupBlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 
@@ -119,33 +122,65 @@ def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
 
 # --------------------------------------------------------------------------- registration
 
+# What the largest real registration holds. D decodes P's on a pull thread of the process that holds the model,
+# so a registration of any more is refused while it is decoded, before anything is built of its elements (msgspec
+# checks a list's length before its items). One rank registers the layers of its own pipeline stage, whatever
+# its TP; each layer belongs to one KV-cache group, so groups do not multiply planes. Per rank at PP 1:
+#   Llama-3.1-405B      126 layers x 2 (K, V)                  = 252 planes (the deepest model vLLM serves)
+#   Qwen3-235B-A22B      94 layers x 2                         = 188
+#   DeepSeek-V3/R1       61 + 1 MTP layers x 1 (MLA latent)    =  62 (124 on vllm-ascend: nope and rope apart;
+#                                                                    3 a layer with V3.2's indexer: 186)
+#   Nemotron-H-56B      118 layers x 2 (K/V, or Mamba's conv and SSM state)   = 236
+#   Qwen3-Next-80B       48 layers x 2, in 4 KV-cache groups (3 linear-attention, 1 full)  = 96
+#   Gemma-3-27B          62 layers x 2, 2 groups (sliding window, full)   = 124
+# So: 126 layers (+ a draft model's few: EAGLE, MTP), at most 3 planes a layer, 252 planes. The bounds are 4x
+# that in layers and 8x in planes; benchmarks/bench_peer_messages.py encodes each of these.
+MAX_KV_LAYERS = 512
+MAX_PLANES_PER_LAYER = 4
+MAX_PLANES = MAX_KV_LAYERS * MAX_PLANES_PER_LAYER  # 2048
+MAX_LAYER_NAME_LENGTH = 256  # vLLM's are ~30-60 characters ("language_model.model.layers.93.self_attn.attn")
+MAX_DTYPE_LENGTH = 64  # "bfloat16", "float8_e4m3fn"
+MAX_KV_HEADS = 1 << 16  # real ones: 1 (MLA) .. 128; only compared, never allocated by
+MAX_HEAD_SIZE = 1 << 16  # real ones: 64 .. 576 (MLA's latent + rope)
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+LayerName = Annotated[str, msgspec.Meta(max_length=MAX_LAYER_NAME_LENGTH)]
+
 
 class RankRegistration(msgspec.Struct, frozen=True):
     """One worker's KV memory as its peers must address it. With pipeline stages, a rank registers the layers
-    of its stage only; its rank within the engine is ``pp_rank * tp_size + tp_rank`` (:attr:`rank`)."""
+    of its stage only; its rank within the engine is ``pp_rank * tp_size + tp_rank`` (:attr:`rank`). Every list
+    and text is bounded by what a real one holds (above): a peer's bigger one does not decode."""
 
-    engine_id: str
-    tp_rank: int  # within its pipeline stage
-    tp_size: int
-    segment: str  # Mooncake target name, "host:rpc_port"
-    planes: list[PlaneGeometry]  # in layer order, then K/V order where they are separate
-    block_shapes: list[BlockShape]  # the inside of one block of each plane
-    layer_names: list[str]
-    block_size: int  # tokens per block
-    num_blocks: int  # this rank's own count (ranks of one engine may differ)
-    dtype: str
-    num_kv_heads: int  # KV heads held by this rank
-    total_num_kv_heads: int  # KV heads of the model
-    head_size: int
+    engine_id: Id
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]  # within its pipeline stage
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+    segment: Annotated[str, msgspec.Meta(max_length=MAX_SEGMENT_LENGTH)]  # Mooncake target name, "host:rpc_port"
+    # in layer order, then K/V order where they are separate
+    planes: Annotated[list[PlaneGeometry], msgspec.Meta(max_length=MAX_PLANES)]
+    # the inside of one block of each plane
+    block_shapes: Annotated[list[BlockShape], msgspec.Meta(max_length=MAX_PLANES)]
+    layer_names: Annotated[list[LayerName], msgspec.Meta(max_length=MAX_KV_LAYERS)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]  # tokens per block
+    num_blocks: Count  # this rank's own count (ranks of one engine may differ)
+    dtype: Annotated[str, msgspec.Meta(max_length=MAX_DTYPE_LENGTH)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_HEADS)]  # KV heads held by this rank
+    total_num_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_HEADS)]  # KV heads of the model
+    head_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_HEAD_SIZE)]
     use_mla: bool = False
-    protocol_version: int = PROTOCOL_VERSION
-    groups: list[KVGroup] = msgspec.field(default_factory=list)  # empty: one full-attention group
-    plane_groups: list[int] = msgspec.field(default_factory=list)  # group index of each plane; empty: all 0
-    incarnation: str = ""  # drawn at each start of P (the params carry it too)
-    model_fingerprint: str = ""  # what must match between P and D beyond the KV geometry (the model)
-    pp_rank: int = 0
-    pp_size: int = 1
-    plane_layers: list[int] = msgspec.field(default_factory=list)  # layer index of each plane; empty: as many per layer
+    protocol_version: Count = PROTOCOL_VERSION
+    # empty: one full-attention group
+    groups: Annotated[list[KVGroup], msgspec.Meta(max_length=MAX_KV_GROUPS)] = msgspec.field(default_factory=list)
+    # group index of each plane; empty: all 0
+    plane_groups: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_KV_GROUPS)]],
+                            msgspec.Meta(max_length=MAX_PLANES)] = msgspec.field(default_factory=list)
+    incarnation: OptionalId = ""  # drawn at each start of P (the params carry it too)
+    model_fingerprint: OptionalId = ""  # what must match between P and D beyond the KV geometry (the model)
+    pp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PP_SIZE)] = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_PP_SIZE)] = 1
+    # layer index of each plane; empty: as many per layer
+    plane_layers: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_KV_LAYERS)]],
+                            msgspec.Meta(max_length=MAX_PLANES)] = msgspec.field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -172,7 +207,8 @@ def layers_of_planes(num_planes: int, num_layers: int) -> tuple[int, ...]:
 
 
 class GetRegistration(msgspec.Struct, frozen=True, tag="get_registration"):
-    tp_rank: int  # the rank within the engine (RankRegistration.rank; the TP rank when P has one stage)
+    # the rank within the engine (RankRegistration.rank; the TP rank when P has one stage)
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_ENGINE_RANKS)]
 
 
 class GetRankTable(msgspec.Struct, frozen=True, tag="get_rank_table"):
@@ -190,13 +226,13 @@ class RankEndpoint(msgspec.Struct, frozen=True, array_like=True):
 class Claim(msgspec.Struct, frozen=True, tag="claim"):
     """D asks P to pin a hold's blocks while it reads them (a lease)."""
 
-    request_id: str
-    hold_id: str
-    reader: str  # "<D engine id>:<D tp rank>"
+    request_id: OptionalId
+    hold_id: OptionalId
+    reader: Reader  # "<D engine id>:<D tp rank>"
     expected_readers: int  # how many D readers will claim this hold on this P rank
     # Random per pull, known only to D and P: a claim resent after a lost reply (same id) gets the same lease
     # back; anyone else naming this reader does not.
-    claim_id: str = ""
+    claim_id: OptionalId = ""
     # D has no registration of this rank yet: send it with the reply (one round trip instead of two for a new P;
     # a P of an older release ignores the field and D fetches it after the claim).
     with_registration: bool = False
@@ -206,10 +242,10 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
 
 
 class Renew(msgspec.Struct, frozen=True, tag="renew"):
-    request_id: str
-    hold_id: str
-    reader: str
-    lease_token: str = ""  # from the claim's ClaimReply: without it P refuses
+    request_id: OptionalId
+    hold_id: OptionalId
+    reader: Reader
+    lease_token: OptionalId = ""  # from the claim's ClaimReply: without it P refuses
 
 
 #: Bounds on one integrity question (vllm_kvp2p/lifecycle/integrity.py); a bigger one is not answered.
@@ -234,24 +270,35 @@ class DigestQuery(msgspec.Struct, frozen=True, array_like=True):
     units: Annotated[list[UnitRanges], msgspec.Meta(max_length=MAX_DIGEST_UNITS)]
 
 
+#: P's sums are int64 tensors of non-negative byte sums (vllm_kvp2p/transfer/digest.py).
+Sum = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
 class UnitSums(msgspec.Struct, frozen=True, array_like=True):
     """P's digest of one queried unit: the exact byte sums of vllm_kvp2p/transfer/digest.py."""
 
-    total: int
-    weighted: int
+    total: Sum
+    weighted: Sum
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """D is done with the hold (read, failed, or had nothing to read): P may free it."""
 
-    request_id: str
-    hold_id: str
-    reader: str
+    request_id: OptionalId
+    hold_id: OptionalId
+    reader: Reader
     expected_readers: int = 1
     pulled: bool = False
-    lease_token: str = ""  # from the claim's ClaimReply; "" from a reader with no lease (it only notifies)
+    lease_token: OptionalId = ""  # from the claim's ClaimReply; "" from a reader with no lease (it only notifies)
     # The integrity question for what this reader read (None: none asked); P answers it before it frees anything.
     verify: DigestQuery | None = None
+
+
+#: A peer's text meant for logs (a refusal's reason, an error): real ones are under 600 characters.
+MAX_REASON_LENGTH = 4096
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_LENGTH)]
+#: Seconds a lease may last: far beyond any hold_timeout + lease_timeout; refuses inf and NaN.
+MAX_LEASE_S = float(1 << 31)
 
 
 class ClaimStatus(str, Enum):
@@ -266,9 +313,9 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
 
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
     status: ClaimStatus
-    lease: float = 0.0  # seconds the claim stays valid without renewal
-    reason: str = ""
-    lease_token: str = ""  # GRANTED: what renewals and the release of this lease must carry
+    lease: Annotated[float, msgspec.Meta(ge=0, le=MAX_LEASE_S)] = 0.0  # seconds the claim stays valid unrenewed
+    reason: Reason = ""
+    lease_token: OptionalId = ""  # GRANTED: what renewals and the release of this lease must carry
     registration: RankRegistration | None = None  # this rank's, when the claim asked for it
 
 
@@ -290,14 +337,15 @@ class Released(msgspec.Struct, frozen=True, tag="released"):
     good only when it did (otherwise the blocks may have been freed and reused under it)."""
 
     lease_held: bool
-    sums: list[UnitSums] | None = None  # the answer to the release's question, in its order (None: not answered)
+    # the answer to the release's question, in its order (None: not answered): one per unit asked, at most
+    sums: Annotated[list[UnitSums], msgspec.Meta(max_length=MAX_DIGEST_UNITS)] | None = None
     # No sums because this is a release P answered before and their answer is no longer kept (a resent release: D
     # counts the pull "sums_lost", not "unverified"); an older P never sets it.
     sums_lost: bool = False
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
-    message: str
+    message: Reason  # a server cuts its own to this (vllm_kvp2p/side_channel.py)
 
 
 Request = Union[GetRegistration, GetRankTable, Claim, Renew, Release]

@@ -31,8 +31,13 @@ logger = get_logger(__name__)
 #: Largest request frame P accepts: requests are a few hundred bytes; ZMQ drops the connection of a peer that
 #: sends more, before any of it is buffered.
 MAX_REQUEST_BYTES = 64 << 10
-#: Largest reply D accepts (a registration lists every KV plane: a few KiB per layer).
-MAX_REPLY_BYTES = 64 << 20
+#: Largest reply D accepts, sealed. The largest real one is a registration: 23.8 KB for Llama-3.1-405B with an
+#: EAGLE draft (254 planes), 21.1 KB for Nemotron-H-56B, 4.7 KB for DeepSeek-V3/R1; one at every bound of
+#: protocol.py's types is 324 KB, a rank table of MAX_ENGINE_RANKS ranks 268 KB (benchmarks/bench_peer_messages.py).
+#: ZMQ drops the connection of a bigger frame while reading its header, before it buffers any of it; D's pull
+#: then fails at once (:class:`ReplyDropped`). Was 64 MiB: a reply of planes decoded to 0.93 GiB in 1.4 s, on a
+#: pull thread of the process that holds the model; the bound's worst now is ~8 MiB and ~12 ms.
+MAX_REPLY_BYTES = 512 << 10
 #: Requests whose answer a handler deferred (returned a Future) waiting at once; more are answered with an error.
 MAX_DEFERRED = 1024
 
@@ -48,6 +53,16 @@ def _now_ms() -> int:
 
 class SideChannelError(RuntimeError):
     """A side-channel peer could not be reached or answered nonsense."""
+
+
+class ReplyDropped(zmq.ZMQError):
+    """P's connection closed while D waited for its reply: ZMQ drops a reply over :data:`MAX_REPLY_BYTES` that
+    way (its header says so before any of it is read), and a P that stopped or dropped D's request too."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(msg=f"{endpoint} closed the connection before its reply arrived: a reply over D's "
+                             f"{MAX_REPLY_BYTES >> 10} KiB bound (side_channel.MAX_REPLY_BYTES; a real registration "
+                             f"is under 32 KiB), a request over P's {MAX_REQUEST_BYTES >> 10} KiB, or P stopped")
 
 
 class PeerRefused(SideChannelError):
@@ -178,7 +193,7 @@ class SideChannelServer:
             except Exception as exc:  # noqa: BLE001 - as a handler that raised
                 logger.error("side-channel deferred answer failed: %s: %s", type(exc).__name__, exc)
                 self.dropped["handler_error"] += 1
-                reply = ErrorReply(f"{type(exc).__name__}: {exc}")
+                reply = _error(f"{type(exc).__name__}: {exc}")
             self._send(identity, self._sealed(reply, nonce))
         self._deferred = waiting
 
@@ -207,7 +222,7 @@ class SideChannelServer:
             except Exception as exc:  # a handler bug must not kill the server thread
                 logger.exception("side-channel handler failed on %s", type(message).__name__)
                 self.dropped["handler_error"] += 1
-                reply = ErrorReply(f"{type(exc).__name__}: {exc}")
+                reply = _error(f"{type(exc).__name__}: {exc}")
         if isinstance(reply, Future):
             if len(self._deferred) < MAX_DEFERRED:
                 return reply, nonce
@@ -239,6 +254,8 @@ class SideChannelClient:
         self._auth = auth
         self._ctx = zmq.Context()
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()  # most recently used last, MAX_SOCKETS at most
+        # Each socket's disconnections: how a reply over MAX_REPLY_BYTES shows (ZMQ drops it and the connection).
+        self._monitors: dict[str, zmq.Socket] = {}
 
     @property
     def open_sockets(self) -> int:
@@ -277,6 +294,8 @@ class SideChannelClient:
                 self._drop(address)
                 error = exc
                 self._refuse_if_dead(host, port, address, deadline)
+        if isinstance(error, ReplyDropped):
+            raise SideChannelError(f"no reply from {address} in {tried} attempts: {error}") from error
         raise SideChannelError(
             f"no answer from {address} in {tried} attempts within {budget * 1000:.0f} ms: {error}"
         ) from error
@@ -300,8 +319,13 @@ class SideChannelClient:
             sock = self._ctx.socket(zmq.REQ)
             for opt, value in ((zmq.LINGER, 0), (zmq.IPV6, int("[" in endpoint)), (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
                 sock.setsockopt(opt, value)
+            monitor = self._monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
+        monitor = self._monitors[endpoint]
+        while monitor.poll(0):  # a connection closed before this request is not this request's
+            monitor.recv_multipart()
         for opt in (zmq.RCVTIMEO, zmq.SNDTIMEO):
             sock.setsockopt(opt, timeout_ms)
         data = protocol.encode(message)
@@ -311,7 +335,13 @@ class SideChannelClient:
         sock.send(data)
         if meanwhile is not None:
             meanwhile()
-        data = sock.recv()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if sock not in ready:
+            raise ReplyDropped(endpoint) if monitor in ready else zmq.Again()
+        data = sock.recv(zmq.NOBLOCK)
         if self._auth is not None:
             try:
                 data = self._auth.open_reply(data, nonce, _now_ms())
@@ -339,13 +369,22 @@ class SideChannelClient:
 
     def _drop(self, endpoint: str) -> None:
         sock = self._socks.pop(endpoint, None)
+        monitor = self._monitors.pop(endpoint, None)
         if sock is not None:
+            sock.disable_monitor()
             sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     def close(self) -> None:
         for endpoint in list(self._socks):
             self._drop(endpoint)
         self._ctx.term()
+
+
+def _error(text: str) -> ErrorReply:
+    """A server's own error, cut to what a client decodes (protocol.MAX_REASON_LENGTH)."""
+    return ErrorReply(text[: protocol.MAX_REASON_LENGTH])
 
 
 def _plain_error(data: bytes) -> str:

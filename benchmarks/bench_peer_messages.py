@@ -46,7 +46,7 @@ from vllm_kvp2p.protocol import (
     Released,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import MAX_REPLY_BYTES
+from vllm_kvp2p.side_channel import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.interior import PartLayout
 from vllm_kvp2p.transfer.slicing import BlockShape
@@ -209,6 +209,26 @@ def main() -> None:
         cost = decode_cost(protocol.decode_reply, data)
         assert cost["outcome"] == "decoded", cost
         out["bounded"][name] = cost
+        print(f"   {name:46s} {len(data):9,d} B, decoded in {cost['ms']:6.2f} ms, peak {cost['peak_mib']:6.2f} MiB")
+
+    print(f"   requests P decodes (frame bound side_channel.MAX_REQUEST_BYTES = {MAX_REQUEST_BYTES >> 10} KiB)")
+    reader = "r" * protocol.MAX_READER_LENGTH
+    ids = "i" * protocol.MAX_ID_LENGTH
+    one_unit = protocol.UnitRanges(1 << 30, 1 << 30, [])
+    requests = {
+        "claim at every bound": protocol.Claim(ids, ids, reader, 1 << 62, ids, True, 1 << 62),
+        "release + question of 4096 units (no ranges)": protocol.Release(
+            ids, ids, reader, 1, True, ids, protocol.DigestQuery([one_unit] * MAX_DIGEST_UNITS)),
+        "release + question of 1-byte ranges, frame-full": protocol.Release(
+            "r", "h", "d:0", 1, True, "t", protocol.DigestQuery([protocol.UnitRanges(0, 0, [0] * (
+                MAX_REQUEST_BYTES - 128))])),
+    }
+    out["requests"] = {}
+    for name, message in requests.items():
+        data = protocol.encode(message)
+        cost = decode_cost(protocol.decode_request, data)
+        assert cost["outcome"] == "decoded" and len(data) <= MAX_REQUEST_BYTES, (name, len(data), cost)
+        out["requests"][name] = cost
         print(f"   {name:46s} {len(data):9,d} B, decoded in {cost['ms']:6.2f} ms, peak {cost['peak_mib']:6.2f} MiB")
 
     print("3. the costliest reply a peer can send D")

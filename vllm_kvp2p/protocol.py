@@ -270,15 +270,12 @@ class DigestQuery(msgspec.Struct, frozen=True, array_like=True):
     units: Annotated[list[UnitRanges], msgspec.Meta(max_length=MAX_DIGEST_UNITS)]
 
 
-#: P's sums are int64 tensors of non-negative byte sums (vllm_kvp2p/transfer/digest.py).
-Sum = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-
-
 class UnitSums(msgspec.Struct, frozen=True, array_like=True):
-    """P's digest of one queried unit: the exact byte sums of vllm_kvp2p/transfer/digest.py."""
+    """P's digest of one queried unit: the exact byte sums of vllm_kvp2p/transfer/digest.py. Their values are not
+    bounded here: any integer only compares unequal to D's own (an absurd answer fails the pull as corrupted)."""
 
-    total: Sum
-    weighted: Sum
+    total: int
+    weighted: int
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

@@ -3,7 +3,9 @@
 The adapter around :mod:`vllm_kvp2p.lifecycle.rank_table` (which decides whether a table may be used): before a
 pull from a P of more than one rank, :meth:`RankTables.resolve` gives the plan the endpoint of every P rank
 (:attr:`PullPlan.p_endpoints`), from a cached table of the same engine and incarnation or from one fetched now
-(one round trip per P incarnation). Bounded like every table keyed by what params name (``MAX_PEERS``).
+(one round trip per P incarnation). Bounded like every table keyed by what params name (``MAX_PEERS``), and by
+the ranks its tables list together (``MAX_CACHED_RANKS``): without a secret, params name any entry point inside
+peer_ports, and each may answer a valid table of 1024 ranks.
 """
 
 from __future__ import annotations
@@ -18,18 +20,29 @@ from vllm_kvp2p.protocol import GetRankTable, PortRanges, RankTable
 from vllm_kvp2p.pull_lanes import MAX_PEERS
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
+#: Ranks of every cached table together. 1024 tables of 1024 ranks with hosts of 253 characters held ~0.4 GiB
+#: (0.41 MiB each, benchmarks/bench_peer_messages.py); this is 64 such tables (~26 MiB), and 1024 of 64 ranks.
+MAX_CACHED_RANKS = 1 << 16
+
 
 class RankTables:
     """Accepted rank tables by entry point (host, port): keyed by where D asked, not by what a table claims."""
 
-    def __init__(self, peer_ports: PortRanges, max_entries: int = MAX_PEERS) -> None:
+    def __init__(self, peer_ports: PortRanges, max_entries: int = MAX_PEERS,
+                 max_ranks: int = MAX_CACHED_RANKS) -> None:
         self.peer_ports = peer_ports
         self.max_entries = max_entries
+        self.max_ranks = max_ranks
         self._tables: OrderedDict[tuple[str, int], RankTable] = OrderedDict()
+        self._ranks = 0  # of every cached table together
         self._lock = threading.Lock()  # pull threads share the cache
 
     def __len__(self) -> int:
         return len(self._tables)
+
+    @property
+    def cached_ranks(self) -> int:
+        return self._ranks
 
     def resolve(self, plan: PullPlan, client: SideChannelClient, timeout: float) -> PullPlan:
         """The plan with its P ranks' endpoints, or failed (with no further contact) when P's table cannot be
@@ -60,16 +73,22 @@ class RankTables:
             if problem:
                 return _failed(plan, problem, Failure.INCOMPATIBLE)
             with self._lock:
-                self._tables.pop(entry, None)
+                self._pop(entry)
                 self._tables[entry] = table
-                while len(self._tables) > self.max_entries:
-                    self._tables.popitem(last=False)
+                self._ranks += len(table.ranks)
+                while len(self._tables) > self.max_entries or self._ranks > self.max_ranks:
+                    self._pop(next(iter(self._tables)))  # the least recently fetched
         return dataclasses.replace(plan, p_endpoints=endpoints_of(table))
 
     def forget(self, entry: tuple[str, int]) -> None:
         """A failed pull drops the table it used: the next pull from that P asks afresh."""
         with self._lock:
-            self._tables.pop(entry, None)
+            self._pop(entry)
+
+    def _pop(self, entry: tuple[str, int]) -> None:
+        table = self._tables.pop(entry, None)
+        if table is not None:
+            self._ranks -= len(table.ranks)
 
 
 def _failed(plan: PullPlan, error: str, failure: Failure) -> PullPlan:

@@ -409,3 +409,64 @@ def test_a_servers_own_error_is_cut_to_what_a_client_decodes(client: SideChannel
         assert "undecodable" not in str(err.value)
     finally:
         server.close()
+
+
+# --------------------------------------------------------------------------- rank tables D keeps
+
+
+class TablesFromAnyone:
+    """A side-channel client whose every entry point answers a valid table of ``ranks`` ranks (what P engines of
+    that size, or a client's own side channels named by unsigned params, answer)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks, self.asked = ranks, 0
+
+    def request(self, host: str, port: int, message: object, timeout: float | None = None) -> RankTable:
+        self.asked += 1
+        return RankTable("p", "", [RankEndpoint(r, host if r == 0 else f"fd00::{r:x}", port if r == 0 else 20000 + r)
+                                   for r in range(self.ranks)])
+
+
+def resolve_many(tables: object, client: TablesFromAnyone, entries: int) -> None:
+    from vllm_kvp2p.lifecycle.consumer import PullPlan
+    from vllm_kvp2p.protocol import RemotePrefill
+
+    for i in range(entries):
+        remote = RemotePrefill("p", "r", "10.0.0.1", 1 + i, [[1]], "h", 16, 16, tp_size=client.ranks)
+        plan = tables.resolve(PullPlan("d", remote, ((2,),), ((1,),), True), client, 1.0)  # type: ignore[attr-defined]
+        assert not plan.error and len(plan.p_endpoints) == client.ranks, plan.error
+
+
+def test_the_rank_tables_d_keeps_are_bounded_by_their_ranks() -> None:
+    """100 entry points each answering a valid table of 1024 ranks: D keeps the 64 most recent (65,536 ranks,
+    ~26 MiB at the longest hosts), not all 100 (MAX_PEERS = 1024 such tables: ~0.4 GiB). Paired: the same with no
+    bound on ranks keeps every table. Real-sized engines (8 ranks) are all kept, up to MAX_PEERS."""
+    from vllm_kvp2p.rank_tables import MAX_CACHED_RANKS, RankTables
+
+    bounded, unbounded_tables = RankTables(protocol.ANY_PORT), RankTables(protocol.ANY_PORT, max_ranks=1 << 40)
+    for tables in (bounded, unbounded_tables):
+        resolve_many(tables, TablesFromAnyone(MAX_ENGINE_RANKS), 100)
+    assert len(bounded) == MAX_CACHED_RANKS // MAX_ENGINE_RANKS == 64 and bounded.cached_ranks == MAX_CACHED_RANKS
+    assert len(unbounded_tables) == 100 and unbounded_tables.cached_ranks == 100 * MAX_ENGINE_RANKS
+    # the most recent are the ones kept: asking the last entry point again costs no round trip
+    client = TablesFromAnyone(MAX_ENGINE_RANKS)
+    remote = protocol.RemotePrefill("p", "r", "10.0.0.1", 100, [[1]], "h", 16, 16, tp_size=MAX_ENGINE_RANKS)
+    from vllm_kvp2p.lifecycle.consumer import PullPlan
+    bounded.resolve(PullPlan("d", remote, ((2,),), ((1,),), True), client, 1.0)  # type: ignore[arg-type]
+    assert client.asked == 0
+
+    real_sized = RankTables(protocol.ANY_PORT)
+    resolve_many(real_sized, TablesFromAnyone(8), 300)
+    assert len(real_sized) == 300 and real_sized.cached_ranks == 2400
+    for entry in [(h, p) for h, p in list(real_sized._tables)]:
+        real_sized.forget(entry)
+    assert real_sized.cached_ranks == 0
+
+
+def test_a_rank_tables_ipv6_zone_is_an_interface_name() -> None:
+    """Python takes any text after '%' as an IPv6 zone: a 200-character one was a valid host of a rank table."""
+    from vllm_kvp2p.lifecycle.rank_table import MAX_ZONE_LENGTH, host_problem
+
+    assert host_problem("fe80::1%eth0") == "" and host_problem("fe80::1%" + "z" * MAX_ZONE_LENGTH) == ""
+    assert "zone" in host_problem("fe80::1%" + "z" * (MAX_ZONE_LENGTH + 1))
+    assert "zone" in host_problem("fe80::1%" + "z" * 200)

@@ -22,6 +22,8 @@ from vllm_kvp2p.protocol import PortRanges, RankEndpoint, RankTable, RemotePrefi
 Endpoint = tuple[str, int]
 #: How much of a peer's text a problem quotes (it goes to logs and to vLLM).
 QUOTE = 80
+#: An IPv6 zone ("fe80::1%eth0") names an interface: at most IFNAMSIZ - 1 characters on Linux. Python accepts any.
+MAX_ZONE_LENGTH = 15
 
 
 def _quote(text: str) -> str:
@@ -35,6 +37,9 @@ def host_problem(host: str) -> str:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return f"{_quote(host)} is not an IP address"
+    zone = getattr(address, "scope_id", None) or ""
+    if len(zone) > MAX_ZONE_LENGTH:
+        return f"{_quote(host)}: its zone is not an interface name (more than {MAX_ZONE_LENGTH} characters)"
     if address.is_unspecified or address.is_multicast:
         return f"{host} is not an address of one host"
     return ""

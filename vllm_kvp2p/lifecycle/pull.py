@@ -460,7 +460,7 @@ class ConsumerPull:
             reason=self._failure,
             failure=self._kind if outcome is Outcome.FAILED else None,
             verified_units=self._verified_units if outcome is Outcome.PULLED else 0,
-            unverified=self._unverified and not self._sums_lost and outcome is Outcome.PULLED,
+            unverified=self._unverified and outcome is Outcome.PULLED,
             sums_lost=self._sums_lost and outcome is Outcome.PULLED,
             unreachable_rank=self._unreachable_rank if self._kind is Failure.UNREACHABLE else None,
         )

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from vllm_kvp2p.proxy.block_hashes import make_hasher
 from vllm_kvp2p.proxy.instances import InstancePool
-from vllm_kvp2p.proxy.kv_event_feed import KVEventFeed
+from vllm_kvp2p.proxy.kv_event_feed import DecodeBudget, KVEventFeed
 from vllm_kvp2p.proxy.kv_events import MAX_BATCH_KEYS, BadEvents, BlocksStored, decode_message
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.testing.server import free_port
@@ -114,6 +114,19 @@ def test_a_batch_of_more_keys_than_one_loop_turn_may_apply_is_refused() -> None:
               for k in range(2)]
     with pytest.raises(BadEvents, match="in one batch"):
         decode_message([b"", seq(0), msgspec.msgpack.encode([0.0, events, None])])
+
+
+def test_the_decode_budget_keeps_decoding_to_its_share_of_the_clock() -> None:
+    """Back-to-back decoding (a flood) is paced to the share; decoding now and then is not delayed at all."""
+    budget, now, busy = DecodeBudget(0.25), 0.0, 0.0
+    for _ in range(1000):  # 2 ms each, as fast as the budget lets
+        now += 0.002
+        busy += 0.002
+        now += budget.pause(0.002, now)
+    assert busy / now == pytest.approx(0.25, rel=0.01)  # without the budget: 1.0
+    assert budget.pause(0.002, now + 10.0) == pytest.approx(0.006)  # after a calm: only this message's pacing
+    with pytest.raises(ValueError):
+        DecodeBudget(0)
 
 
 # -- the feed on a real loop ----------------------------------------------------------------------------------

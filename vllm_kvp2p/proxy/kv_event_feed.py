@@ -10,9 +10,10 @@ stream. Every stored event is also a chance to check the proxy's block hashes ag
 
 The feed shares the proxy's event loop with every request, so it must never hold it (issue 37, item 2):
 
-* decoding runs on a thread of the feed's own, one message at a time: awaiting it suspends the feed after every
-  message. ``await sock.recv_multipart()`` alone does not: while messages are queued it returns without yielding,
-  so a flood would starve every other task and no ``asyncio.timeout`` would fire. The decoder's C calls are short
+* decoding runs on a thread of the feed's own, one message at a time, and all feeds together decode at most
+  :data:`MAX_DECODE_SHARE` of the time (:class:`DecodeBudget`). Awaiting it suspends the feed after every message;
+  ``await sock.recv_multipart()`` alone does not: while messages are queued it returns without yielding, so a
+  flood would starve every other task and no ``asyncio.timeout`` would fire. The decoder's C calls are short
   (token ids are skipped undecoded), so the thread hands the GIL back within Python's switch interval;
 * what runs on the loop per message is applying it to the index: O(its block keys), at most
   :data:`~vllm_kvp2p.proxy.kv_events.MAX_BATCH_KEYS`;
@@ -62,13 +63,34 @@ MAX_REPLAY_MESSAGES = 100_000
 MAX_REPLAY_BYTES = 256 * 1024 * 1024
 #: Messages ZMQ may queue per socket (its default is 1000): at most RCVHWM x MAX_PAYLOAD_BYTES (64 MiB) waiting.
 RCVHWM = 16
+#: The share of the proxy's time all feeds together may spend decoding. A thread does not make decoding free: it
+#: holds the GIL, and the event loop waits up to Python's switch interval (5 ms) for it at every wake-up; a request
+#: wakes the loop dozens of times. Past this share a flood waits in ZMQ's queue and the publisher's (the index lags).
+MAX_DECODE_SHARE = 0.25
+
+
+class DecodeBudget:
+    """Paces the feeds so that decoding takes at most ``share`` of the wall clock (pure: the caller sleeps)."""
+
+    def __init__(self, share: float = MAX_DECODE_SHARE) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"share={share}: in (0, 1]")
+        self.share = share
+        self._free_at = float("-inf")
+
+    def pause(self, spent: float, now: float) -> float:
+        """After ``spent`` seconds of decoding ending at ``now``: how long to wait before decoding again."""
+        self._free_at = max(self._free_at, now - spent) + spent / self.share
+        return max(0.0, self._free_at - now)
 
 
 class KVEventFeed:
     """Subscribes to one instance's KV events for the life of the proxy."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, pool: InstancePool, inst: Instance, hasher: PromptHasher) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, pool: InstancePool, inst: Instance, hasher: PromptHasher,
+                 budget: DecodeBudget | None = None) -> None:
         assert inst.events_endpoint is not None
+        self._budget = budget or DecodeBudget()
         self._ctx = ctx
         self._pool = pool
         self._inst = inst
@@ -101,8 +123,14 @@ class KVEventFeed:
             self._decoder.shutdown(wait=False, cancel_futures=True)
 
     async def _decode(self, frames: list[bytes]) -> EventBatch:
-        """Decoded on the feed's thread; always suspends the feed (see the module's docstring)."""
-        return await asyncio.get_running_loop().run_in_executor(self._decoder, decode_message, frames)
+        """Decoded on the feed's thread, then paced by the budget; always suspends the feed (see the module's
+        docstring)."""
+        started = time.monotonic()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._decoder, decode_message, frames)
+        finally:
+            now = time.monotonic()
+            await asyncio.sleep(self._budget.pause(now - started, now))
 
     async def _on_message(self, frames: list[bytes]) -> None:
         cache = self._inst.cache
@@ -193,10 +221,11 @@ class KVEventFeed:
 def start_feeds(pools: tuple[InstancePool, ...], hasher: PromptHasher) -> list[asyncio.Task[None]]:
     """One feed task per instance of ``pools`` that publishes KV events."""
     ctx = zmq.asyncio.Context.instance()
+    budget = DecodeBudget()  # one for all feeds: together they take at most its share
     tasks: list[asyncio.Task[None]] = []
     for pool in pools:
         for inst in pool.instances:
             if inst.events_endpoint is not None:
-                feed = KVEventFeed(ctx, pool, inst, hasher)
+                feed = KVEventFeed(ctx, pool, inst, hasher, budget)
                 tasks.append(asyncio.create_task(feed.run(), name=f"kv-events {inst.url}"))
     return tasks

@@ -23,8 +23,10 @@ The feed shares the proxy's event loop with every request, so it must never hold
 * the request path reads the index (a dict) and never awaits the feed.
 
 What a broken or hostile publisher can do, then, is spoil this instance's routing (garbage is counted and logged,
-never raised) and use the feed's share of the proxy's CPU: its flood slows the proxy's requests by the time the
-loop spends applying batches (measured: docs/reliability.md, "A KV-event flood").
+never raised; a flood makes the index lag or restart) and take the feeds' budgeted share of the proxy's CPU, plus
+the loop's time to apply what was decoded. Its flood does not stall the proxy: with vLLM's own publisher sending
+~800 batches of a 64k-token prompt a second, requests stayed within 2x their calm latency and ``/health`` within
+0.4 s (docs/reliability.md, "A KV-event flood (the proxy)").
 """
 
 from __future__ import annotations

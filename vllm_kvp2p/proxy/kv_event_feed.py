@@ -110,7 +110,8 @@ class KVEventFeed:
         sub.connect(self._inst.events_endpoint)
         logger.info("KV events of %s: subscribed to %s (replay %s)", self._inst.url, self._inst.events_endpoint,
                     self._inst.replay_endpoint or "none")
-        # One thread per feed: a flood on one instance's publisher delays only that instance's decoding.
+        # A thread per feed, one budget for all (start_feeds): a flooding publisher makes the other feeds' indexes
+        # lag too (their decoding waits for the budget), never the requests.
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"kv-events {self._inst.url}")
         try:
             while True:

@@ -12,8 +12,8 @@ process that holds the model, with the GIL held. This prints:
    bound, a rank table of ``MAX_ENGINE_RANKS`` ranks, an answer of ``MAX_DIGEST_UNITS`` sums);
 3. decode time and memory (tracemalloc's peak: every object msgspec builds) of the costliest reply a peer can send,
    before (no bound in the types, replies up to 64 MiB) and now (the types' bounds and ``MAX_REPLY_BYTES``):
-   planes and layer names, the elements a registration has most of, and, now, the filler the types still leave
-   unbounded (``BlockShape.layouts``, bounded by the frame only);
+   planes and layer names, the elements a registration has most of, and, now, a block shape's ``layouts`` padded
+   past their bound (refused while decoding, as every list over its bound);
 4. the time to refuse a reply over the bounds (the refusal reads a list's length before any of its items).
 """
 
@@ -48,8 +48,8 @@ from vllm_kvp2p.protocol import (
 )
 from vllm_kvp2p.side_channel import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
-from vllm_kvp2p.transfer.interior import PartLayout
-from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.interior import MAX_LAYOUT_DIGEST_LENGTH, PartLayout
+from vllm_kvp2p.transfer.slicing import MAX_PARTS, BlockShape
 
 MIB = 1 << 20
 OLD_MAX_REPLY_BYTES = 64 << 20  # side_channel.MAX_REPLY_BYTES before
@@ -94,11 +94,11 @@ REAL = {
 
 
 def at_every_bound() -> RankRegistration:
-    """The biggest registration the types accept: every list at its bound, every text at its length, the parts the
-    types leave open (BlockShape.layouts) as real ones are."""
+    """The biggest registration the types accept: every list at its bound, every text at its length."""
     big = 1 << 62
     planes = [PlaneGeometry(big, big, big, big)] * MAX_PLANES
-    shape = BlockShape(True, 1 << 16, 1 << 20, 1 << 20, 2, CPU_LAYOUTS)
+    shape = BlockShape(True, 1 << 16, 1 << 20, 1 << 40, MAX_PARTS,
+                       (PartLayout(1 << 20, 1 << 20, 64, "o" * MAX_LAYOUT_DIGEST_LENGTH),) * MAX_PARTS)
     return RankRegistration(
         "e" * 256, 1023, 1024, "h" * (MAX_HOST_LENGTH + 8), planes, [shape] * MAX_PLANES,
         ["n" * MAX_LAYER_NAME_LENGTH] * MAX_KV_LAYERS, 1 << 20, big, "d" * 64, 1 << 16, 1 << 16, 1 << 16,
@@ -141,8 +141,8 @@ def flood(planes: int, names: int, name: str = "") -> bytes:
 
 
 def layouts_flood(size: int) -> bytes:
-    """Now: a registration within every bound of the types, padded to ``size`` bytes with the one list they leave
-    open, one block shape's ``layouts`` (5 bytes a PartLayout)."""
+    """Now: a registration within every other bound of the types, padded to ``size`` bytes with one block shape's
+    ``layouts`` (5 bytes a PartLayout), past their bound of two."""
     head = {"engine_id": "P", "tp_rank": 0, "tp_size": 1, "segment": "1.2.3.4:1", "planes": [[0, 0, 0, 0]],
             "layer_names": ["l"], "block_size": 16, "num_blocks": 1, "dtype": "f", "num_kv_heads": 1,
             "total_num_kv_heads": 1, "head_size": 1}
@@ -243,7 +243,7 @@ def main() -> None:
                                                                        flood(MAX_PLANES + 1, MAX_KV_LAYERS)),
         f"now: {MAX_PLANES} planes + {MAX_KV_LAYERS} names": (protocol.decode_reply,
                                                                flood(MAX_PLANES, MAX_KV_LAYERS, "n" * 256)),
-        f"now: {MAX_REPLY_BYTES / MIB:g} MiB of BlockShape.layouts (frame-bound)": (protocol.decode_reply,
+        f"now: {MAX_REPLY_BYTES / MIB:g} MiB of BlockShape.layouts (over their bound)": (protocol.decode_reply,
                                                                                     layouts_flood(MAX_REPLY_BYTES)),
     }
     out["flood"] = {}

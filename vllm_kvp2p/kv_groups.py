@@ -25,7 +25,7 @@ Pure except :func:`groups_from_vllm`, the adapter from vLLM's ``KVCacheConfig``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -45,7 +45,7 @@ class UnsupportedKVCacheError(ValueError):
 class KVGroup(msgspec.Struct, frozen=True):
     """One KV-cache group as the connector sees it (also part of each rank's registration)."""
 
-    kind: str  # FULL, SLIDING or STATE
+    kind: Annotated[str, msgspec.Meta(max_length=16)]  # FULL, SLIDING or STATE (peers send it: registrations)
     block_size: int  # tokens per block of this group
     sliding_window: int = 0  # tokens (SLIDING only)
 

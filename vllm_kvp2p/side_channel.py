@@ -33,10 +33,10 @@ logger = get_logger(__name__)
 MAX_REQUEST_BYTES = 64 << 10
 #: Largest reply D accepts, sealed. The largest real one is a registration: 23.8 KB for Llama-3.1-405B with an
 #: EAGLE draft (254 planes), 21.1 KB for Nemotron-H-56B, 4.7 KB for DeepSeek-V3/R1; one at every bound of
-#: protocol.py's types is 324 KB, a rank table of MAX_ENGINE_RANKS ranks 268 KB (benchmarks/bench_peer_messages.py).
+#: protocol.py's types is 490 KB, a rank table of MAX_ENGINE_RANKS ranks 268 KB (benchmarks/bench_peer_messages.py).
 #: ZMQ drops the connection of a bigger frame while reading its header, before it buffers any of it; D's pull
 #: then fails at once (:class:`ReplyDropped`). Was 64 MiB: a reply of planes decoded to 0.93 GiB in 1.4 s, on a
-#: pull thread of the process that holds the model; the bound's worst now is ~8 MiB and ~12 ms.
+#: pull thread of the process that holds the model; the costliest valid reply now decodes in ~5 ms to ~2 MiB.
 MAX_REPLY_BYTES = 512 << 10
 #: Requests whose answer a handler deferred (returned a Future) waiting at once; more are answered with an error.
 MAX_DEFERRED = 1024

@@ -50,12 +50,15 @@ from vllm_kvp2p.protocol import (
 )
 from vllm_kvp2p.side_channel import MAX_REPLY_BYTES, SideChannelClient, SideChannelError
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
-from vllm_kvp2p.transfer.interior import PartLayout
-from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.interior import MAX_LAYOUT_DIGEST_LENGTH, PartLayout
+from vllm_kvp2p.transfer.slicing import MAX_PARTS, BlockShape
 
 # --------------------------------------------------------------------------- the types without their bounds
 
 _stripped: dict[type, type] = {}
+#: The modules whose structs peers send (protocol.py's, and the registration's parts defined elsewhere).
+_PEER_TYPE_MODULES = {protocol.__name__, "vllm_kvp2p.transfer.slicing", "vllm_kvp2p.transfer.interior",
+                      "vllm_kvp2p.kv_groups"}
 
 
 def unbounded(tp: Any) -> Any:
@@ -66,9 +69,11 @@ def unbounded(tp: Any) -> Any:
         return unbounded(typing.get_args(tp)[0])
     if origin is list:
         return list[unbounded(typing.get_args(tp)[0])]  # type: ignore[misc]
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        return tuple[unbounded(typing.get_args(tp)[0]), ...]  # type: ignore[misc]
     if origin is Union or str(origin) == "<class 'types.UnionType'>":
         return Union[tuple(unbounded(a) for a in typing.get_args(tp))]  # type: ignore[return-value]
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct) and tp.__module__ == protocol.__name__:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct) and tp.__module__ in _PEER_TYPE_MODULES:
         if tp not in _stripped:
             config = tp.__struct_config__
             fields = [(f.name, unbounded(f.type), f.default if f.default is not msgspec.NODEFAULT else
@@ -88,6 +93,8 @@ _old_requests = msgspec.msgpack.Decoder(unbounded(protocol.Request))
 # --------------------------------------------------------------------------- real registrations
 
 CPU_LAYOUTS = (PartLayout(1, 16, 2, "16x8:0123456789abcdef"), PartLayout())
+#: Every part's layout at its bounds (both parts, the longest order name).
+BOUND_LAYOUTS = (PartLayout(1 << 20, 1 << 20, 64, "o" * MAX_LAYOUT_DIGEST_LENGTH),) * MAX_PARTS
 
 
 def real(layers: int, planes_per_layer: int, groups: list[KVGroup], *, mla: bool = False,
@@ -132,7 +139,7 @@ def at_every_bound() -> RankRegistration:
     big = 1 << 62
     return RankRegistration(
         "e" * MAX_ID_LENGTH, 1023, 1024, "h" * protocol.MAX_SEGMENT_LENGTH, [PlaneGeometry(big, big, big, big)] *
-        MAX_PLANES, [BlockShape(True, 1 << 16, 1 << 20, 1 << 20, 2, CPU_LAYOUTS)] * MAX_PLANES,
+        MAX_PLANES, [BlockShape(True, 1 << 16, 1 << 20, 1 << 40, MAX_PARTS, BOUND_LAYOUTS)] * MAX_PLANES,
         ["n" * MAX_LAYER_NAME_LENGTH] * MAX_KV_LAYERS, 1 << 20, big, "d" * protocol.MAX_DTYPE_LENGTH, 1 << 16,
         1 << 16, 1 << 16, protocol_version=big, groups=[KVGroup(SLIDING, 1 << 20, 1 << 40)] * MAX_KV_GROUPS,
         plane_groups=[MAX_KV_GROUPS - 1] * MAX_PLANES, incarnation="i" * MAX_ID_LENGTH,
@@ -168,6 +175,17 @@ REGISTRATION_BOUNDS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "planes": ({"planes": [PLANE] * MAX_PLANES}, {"planes": [PLANE] * (MAX_PLANES + 1)}),
     "block_shapes": ({"block_shapes": [SHAPE] * MAX_PLANES}, {"block_shapes": [SHAPE] * (MAX_PLANES + 1)}),
     "layer_names": ({"layer_names": ["l"] * MAX_KV_LAYERS}, {"layer_names": ["l"] * (MAX_KV_LAYERS + 1)}),
+    "block_shapes[0][5]": (  # part layouts
+        {"block_shapes": [[False, 1, 128, 1152, 2, [[0, 1, 0, ""]] * MAX_PARTS]]},
+        {"block_shapes": [[False, 1, 128, 1152, 2, [[0, 1, 0, ""]] * (MAX_PARTS + 1)]]}),
+    "block_shapes[0][5][0][3]": (  # a layout's order name
+        {"block_shapes": [[False, 1, 128, 1152, 1, [[0, 1, 0, "o" * MAX_LAYOUT_DIGEST_LENGTH]]]]},
+        {"block_shapes": [[False, 1, 128, 1152, 1, [[0, 1, 0, "o" * (MAX_LAYOUT_DIGEST_LENGTH + 1)]]]]}),
+    "block_shapes[0][4]": (  # parts
+        {"block_shapes": [[False, 1, 128, 1152, MAX_PARTS, []]]},
+        {"block_shapes": [[False, 1, 128, 1152, MAX_PARTS + 1, []]]}),
+    "groups[0].kind": ({"groups": [{"kind": "k" * 16, "block_size": 16}]},
+                       {"groups": [{"kind": "k" * 17, "block_size": 16}]}),
     "layer_names[0]": ({"layer_names": ["n" * MAX_LAYER_NAME_LENGTH]},
                        {"layer_names": ["n" * (MAX_LAYER_NAME_LENGTH + 1)]}),
     "plane_groups": ({"plane_groups": [0] * MAX_PLANES}, {"plane_groups": [0] * (MAX_PLANES + 1)}),
@@ -358,8 +376,9 @@ def client() -> Iterator[SideChannelClient]:
 
 
 def padded_registration(size: int) -> bytes:
-    """A valid registration reply of exactly ``size`` bytes: a real one whose first block shape carries more part
-    layouts (the one list the types leave to the frame bound), then a layer name's length to the byte."""
+    """A registration reply of exactly ``size`` bytes: a real one whose first block shape carries more part layouts
+    than the types allow (every list is bounded, so no valid reply is this big), then a layer name's length to the
+    byte: a frame that arrives is refused by the decoder, naming the field."""
     base = msgspec.to_builtins(REAL["DeepSeek-V3/R1 + MTP (MLA)"]())
     shape = list(base["block_shapes"][0])
     base["block_shapes"] = [shape] + base["block_shapes"][1:]
@@ -373,15 +392,21 @@ def padded_registration(size: int) -> bytes:
 
 
 def test_the_frame_bound_to_the_byte_over_a_real_socket(client: SideChannelClient) -> None:
-    """A reply of MAX_REPLY_BYTES arrives and decodes; one byte more fails the request within a few ms per attempt
-    (it waited out the whole 5 s budget before: nothing told the client its reply had been dropped), saying why.
-    A real-sized reply through the same socket: the genuine registration."""
+    """A reply of MAX_REPLY_BYTES arrives (and its decoder refuses it, naming the list over its bound); one byte
+    more fails the request within a few ms per attempt (it waited out the whole 5 s budget before: nothing told
+    the client its reply had been dropped), saying why. The biggest valid reply through the same socket decodes."""
+    p = RawP(protocol.encode(Registration(at_every_bound())))
+    try:
+        assert client.request("127.0.0.1", p.port, GetRegistration(0)) == Registration(at_every_bound())
+    finally:
+        p.close()
     for size, ok in ((MAX_REPLY_BYTES, True), (MAX_REPLY_BYTES + 1, False)):
         p = RawP(padded_registration(size))
         try:
             t0 = time.monotonic()
             if ok:
-                assert isinstance(client.request("127.0.0.1", p.port, GetRegistration(0)), Registration)
+                with pytest.raises(SideChannelError, match=r"undecodable reply .*block_shapes\[0\]\[5\]"):
+                    client.request("127.0.0.1", p.port, GetRegistration(0))
             else:
                 with pytest.raises(SideChannelError, match=f"{MAX_REPLY_BYTES >> 10} KiB bound") as err:
                     client.request("127.0.0.1", p.port, GetRegistration(0))

@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
+
+#: A layout's order name: ``"<n>x<m>:"`` + 16 hex digits, or ``"<why>:block <size>"``; peers send it (registrations).
+MAX_LAYOUT_DIGEST_LENGTH = 40  # the longest real one: 30 ("fp8_ds_mla cache:block 1048576")
 
 
 class PartLayout(msgspec.Struct, frozen=True, array_like=True):
     """The layout of one part (see the module docstring). Equal values on P and D: the same layout."""
 
-    group: int = 0  # elements per column group; 0: all of them (plain rows)
-    tile: int = 1  # tokens per contiguous tile inside a group
-    element_bytes: int = 0  # bytes of one element (0: the part is moved in whole rows, element size irrelevant)
-    digest: str = ""  # the order inside a tile ("": the identity)
+    group: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # elements per column group; 0: all (plain rows)
+    tile: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1  # tokens per contiguous tile inside a group
+    # bytes of one element (0: the part is moved in whole rows, element size irrelevant)
+    element_bytes: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # the order inside a tile ("": the identity)
+    digest: Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_DIGEST_LENGTH)] = ""
 
     def describe(self) -> str:
         if self.group == 0 and self.tile == 1 and not self.digest:

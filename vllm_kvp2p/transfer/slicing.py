@@ -21,23 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
 from vllm_kvp2p.transfer.interior import ROWS, PartLayout, part_runs
 
+#: Rows per head: K and V (vLLM's CPU backend); peers send ``layouts`` (registrations), one per part.
+MAX_PARTS = 2
+
 
 class BlockShape(msgspec.Struct, frozen=True, array_like=True):
     """The inside of one block of one plane."""
 
     head_major: bool  # cells ordered [head][part][token] (True) or [token][head][part] (False)
-    num_heads: int  # KV heads this rank holds in this plane (1 for an MLA latent cache)
-    num_tokens: int  # tokens per block (the block size)
-    inner_bytes: int  # bytes of one (head, part, token) cell
-    parts: int = 1  # rows per head: 2 where a head's K and V are separate runs of tokens (vLLM's CPU backend)
+    # Peers send block shapes (registrations): every value in a range no real layout leaves.
+    num_heads: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]  # KV heads this rank holds here (1: an MLA latent)
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]  # tokens per block (the block size)
+    inner_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]  # bytes of one (head, part, token) cell
+    # rows per head: 2 where a head's K and V are separate runs of tokens (vLLM's CPU backend)
+    parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS)] = 1
     # How each part lays out its tokens x bytes (vllm_kvp2p/transfer/interior.py), one per part; empty: all rows.
-    layouts: tuple[PartLayout, ...] = ()
+    layouts: Annotated[tuple[PartLayout, ...], msgspec.Meta(max_length=MAX_PARTS)] = ()
 
     def part_layout(self, part: int) -> PartLayout:
         return self.layouts[part] if self.layouts else ROWS

@@ -59,7 +59,13 @@ from vllm_kvp2p.protocol import (
 from vllm_kvp2p.pull_lanes import Lane, LaneTable
 from vllm_kvp2p.pull_suspects import Suspects, put_recent
 from vllm_kvp2p.rank_tables import RankTables
-from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.side_channel import (
+    PROBE_TIMEOUT_S,
+    BadReply,
+    SideChannelClient,
+    SideChannelError,
+    Unauthenticated,
+)
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
 
@@ -310,26 +316,26 @@ class PullLoop:
                 if action.join_claim:  # a new P: its registration comes with the claim's reply
                     job.with_claim(action.source)
                     return
-            reg, err, unauthenticated = cached, "", False
+            reg, err, answered = cached, "", None
             if cached is None:
-                fetched, err, unauthenticated = self._ask(client, *endpoint, GetRegistration(action.source.p_rank), job,
-                                                          Registration)
+                fetched, err, answered = self._ask(client, *endpoint, GetRegistration(action.source.p_rank), job,
+                                                   Registration)
                 reg = fetched.registration if fetched is not None else None
-            if job.on_registration(action.source, reg, err, unauthenticated=unauthenticated) and reg is not None:
+            if job.on_registration(action.source, reg, err, answered=answered) and reg is not None:
                 put_recent(self._registrations, endpoint, reg)
             elif cached is not None:  # these params do not fit it: fetch afresh next time
                 self._registrations.pop(endpoint, None)
         elif isinstance(action, SendClaim):
             endpoint = plan.p_endpoint(action.source.p_rank)
-            reply, err, unauthenticated = self._ask(client, *endpoint, action.message, job, ClaimReply)
-            if (job.on_claim_reply(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
+            reply, err, answered = self._ask(client, *endpoint, action.message, job, ClaimReply)
+            if (job.on_claim_reply(action.source, reply, time.monotonic(), err, answered=answered)
                     and reply is not None):
                 assert reply.registration is not None
                 put_recent(self._registrations, endpoint, reply.registration)
         elif isinstance(action, SendRenew):
-            reply, err, unauthenticated = self._ask(client, *plan.p_endpoint(action.source.p_rank), action.message,
-                                                    job, ClaimReply)
-            job.on_renewed(action.source, reply, time.monotonic(), err, unauthenticated=unauthenticated)
+            reply, err, answered = self._ask(client, *plan.p_endpoint(action.source.p_rank), action.message, job,
+                                             ClaimReply)
+            job.on_renewed(action.source, reply, time.monotonic(), err, answered=answered)
         elif isinstance(action, ReadBatch):
             slot = self.lanes.read_slot((host, base_port))
             if not slot.acquire(timeout=min(READ_SLOT_WAIT_S, job.time_left(time.monotonic()))):
@@ -432,16 +438,20 @@ class PullLoop:
     @staticmethod
     def _ask(
         client: SideChannelClient, host: str, port: int, message: Request, job: ConsumerPull, expected: type[R]
-    ) -> tuple[R | None, str, bool]:
-        """P's reply, of the ``expected`` type; or None, why not, and whether P answered but the exchange failed
-        authentication (P is up then)."""
+    ) -> tuple[R | None, str, Failure | None]:
+        """P's reply, of the ``expected`` type; or None, why not, and, when P answered but the exchange failed
+        (P is up then), how: UNAUTHENTICATED, or INCOMPATIBLE for a reply D does not accept."""
         try:
             reply = client.request(host, port, message, timeout=job.time_left(time.monotonic()))
+        except Unauthenticated as exc:
+            return None, str(exc), Failure.UNAUTHENTICATED
+        except BadReply as exc:
+            return None, str(exc), Failure.INCOMPATIBLE
         except SideChannelError as exc:
-            return None, str(exc), isinstance(exc, Unauthenticated)
+            return None, str(exc), None
         if not isinstance(reply, expected):
-            return None, f"unexpected reply {type(reply).__name__}", False
-        return reply, "", False
+            return None, f"unexpected reply {type(reply).__name__}", Failure.INCOMPATIBLE
+        return reply, "", None
 
     def _finished(self, plan: PullPlan, result: PullResult) -> None:
         if result.reason:

@@ -65,6 +65,12 @@ class ReplyDropped(zmq.ZMQError):
                              f"is under 32 KiB), a request over P's {MAX_REQUEST_BYTES >> 10} KiB, or P stopped")
 
 
+class BadReply(SideChannelError):
+    """The peer answered, but with a reply this side cannot decode: not the protocol's, or over a bound of its
+    types. It is up: what differs is its version or its honesty. (A reply over the frame bound is dropped by ZMQ
+    unread, which looks like a peer that stopped: :class:`ReplyDropped`.)"""
+
+
 class PeerRefused(SideChannelError):
     """Nothing listens at the peer's address (connection refused): the process is gone, not slow."""
 
@@ -359,7 +365,7 @@ class SideChannelClient:
             reply = protocol.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(endpoint)
-            raise SideChannelError(f"undecodable reply from {endpoint}: {exc}") from exc
+            raise BadReply(f"undecodable reply from {endpoint}: {exc}") from exc
         if isinstance(reply, ErrorReply):
             if reply.message.startswith(UNAUTHENTICATED_REQUEST):
                 raise Unauthenticated(f"{endpoint} requires the shared secret and this client has none "

@@ -19,7 +19,7 @@ import pytest
 
 from tests.unit.test_peer_message_bounds import RawP, _old_replies, registration_with
 from tests.worker.test_pull_two_engines import BLOCK, D_BLOCKS, _kv, _local
-from vllm_kvp2p.lifecycle.consumer import PullPlan
+from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import Outcome, PullResult
 from vllm_kvp2p.protocol import MAX_PLANES, RemotePrefill
 from vllm_kvp2p.pull_loop import PullLoop
@@ -95,6 +95,8 @@ def test_a_registration_of_more_planes_than_a_real_one_is_refused_naming_the_fie
     assert result.outcome is Outcome.FAILED, result
     assert f"Expected `array` of length <= {MAX_PLANES} - at `$.registration.planes`" in result.reason, result.reason
     assert took < 1.0 and peak < 4, (took, peak)
+    # P answered: the pull is INCOMPATIBLE (its hint names versions and layouts), not "P down" (UNREACHABLE)
+    assert result.failure is Failure.INCOMPATIBLE and result.unreachable_rank is None, result
 
 
 def _peak(fn) -> tuple[float, object]:

@@ -181,15 +181,16 @@ class ConsumerPull:
         return ReadBatch(st.source, st.registration.segment, st.batches[0])
 
     def on_registration(self, source: Source, registration: RankRegistration | None, error: str = "", *,
-                        unauthenticated: bool = False) -> bool:
+                        answered: Failure | None = None) -> bool:
         """True when the registration is accepted (only then may the caller cache it). ``registration`` None: the
-        request failed with ``error``; ``unauthenticated``: P answered, but the shared-secret authentication of the
-        exchange failed (P refused D's, or P's reply failed D's), so P is up, not unreachable."""
+        request failed with ``error``; ``answered``: P answered, but the exchange failed for this reason, so P is up,
+        not unreachable: UNAUTHENTICATED (P refused D's authentication, or P's reply failed D's) or INCOMPATIBLE (a
+        reply D cannot decode: another protocol, or over a bound of its types)."""
         st = self._current(source, _Phase.REGISTRATION)
         if st is None:
             return False
         if registration is None:
-            self._unanswered(source, f"no registration from P rank {source.p_rank}", error, unauthenticated)
+            self._unanswered(source, f"no registration from P rank {source.p_rank}", error, answered)
             return False
         if not self._accept(st, registration):
             return False
@@ -211,14 +212,14 @@ class ConsumerPull:
         self._phase = _Phase.CLAIM
 
     def on_claim_reply(self, source: Source, reply: ClaimReply | None, now: float, error: str = "", *,
-                       unauthenticated: bool = False) -> bool:
+                       answered: Failure | None = None) -> bool:
         """True when the reply brought a registration that was accepted (only then may the caller cache it).
         ``reply`` None: as for :meth:`on_registration`."""
         st = self._current(source, _Phase.CLAIM)
         if st is None:
             return False
         if reply is None:
-            self._unanswered(source, f"claim on P rank {source.p_rank} failed", error, unauthenticated)
+            self._unanswered(source, f"claim on P rank {source.p_rank} failed", error, answered)
             return False
         if reply.status is ClaimStatus.GRANTED:  # before the checks: a release after a refused one carries it
             st.lease, st.lease_token = reply.lease, reply.lease_token
@@ -252,7 +253,7 @@ class ConsumerPull:
         return accepted
 
     def on_renewed(self, source: Source, reply: ClaimReply | None, now: float, error: str = "", *,
-                   unauthenticated: bool = False) -> None:
+                   answered: Failure | None = None) -> None:
         """The answer to a renewal of any lease this pull holds. ``reply`` None: as for :meth:`on_registration`."""
         if self._phase in (_Phase.RELEASE, _Phase.DONE):
             return  # a stale result: the pull has moved on to the releases
@@ -260,8 +261,7 @@ class ConsumerPull:
         if st is None:
             return
         if reply is None:
-            return self._unanswered(source, f"lease renewal on P rank {source.p_rank} failed", error,
-                                    unauthenticated)
+            return self._unanswered(source, f"lease renewal on P rank {source.p_rank} failed", error, answered)
         if reply.status is not ClaimStatus.GRANTED:
             return self._fail(f"lease renewal on P rank {source.p_rank} failed: {reply.reason}", Failure.REFUSED)
         st.renew_at = now + reply.lease / 3
@@ -384,10 +384,10 @@ class ConsumerPull:
     def _holds_lease(self, st: _SourceState) -> bool:
         return bool(st.lease) and not st.released
 
-    def _unanswered(self, source: Source, what: str, error: str, unauthenticated: bool) -> None:
-        # Unauthenticated, P did answer: it is not down (nor to be taken for down by the pulls that follow).
-        self._fail(f"{what}: {error}", Failure.UNAUTHENTICATED if unauthenticated else Failure.UNREACHABLE)
-        if not unauthenticated:
+    def _unanswered(self, source: Source, what: str, error: str, answered: Failure | None) -> None:
+        # When P did answer it is not down (nor to be taken for down by the pulls that follow).
+        self._fail(f"{what}: {error}", answered or Failure.UNREACHABLE)
+        if answered is None:
             self._unreachable_rank = source.p_rank
 
     def _fail(self, reason: str, kind: Failure) -> None:

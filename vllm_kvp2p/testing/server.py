@@ -129,6 +129,25 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+class MissingMetric(AssertionError):
+    """A metric a check reads is not exported at all (a failure of the check, not a zero)."""
+
+
+def metric_value(samples: dict[str, float], name: str, *, where: str = "/metrics", **labels: str) -> float:
+    """Sum of the samples (:func:`parse_prometheus`'s) of metric ``name`` whose labels include ``labels``; raises
+    :class:`MissingMetric` when there is none."""
+    total, found = 0.0, False
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total, found = total + value, True
+    if not found:
+        with_labels = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+        raise MissingMetric(f"{name}{with_labels} is not in {where}: absent is not zero (renamed, not exported by "
+                            "this vLLM, or a label value never created)")
+    return total
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any non-zombie process is still in process group ``pgid``."""
     proc = Path("/proc")
@@ -440,15 +459,9 @@ class VllmServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of metric ``name`` (e.g. ``"vllm:prefix_cache_hits_total"``) whose labels include
-        ``labels``."""
-        total = 0.0
-        for key, value in self.metrics().items():
-            base, _, rest = key.partition("{")
-            if base != name:
-                continue
-            if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-                total += value
-        return total
+        ``labels``. Absent is never zero: raises :class:`MissingMetric` when no sample matches (a renamed metric,
+        one this vLLM does not export, a label value never created), so no check passes on nothing."""
+        return metric_value(self.metrics(), name, where=f"{self.url}/metrics", **labels)
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else f"exited({self.returncode})" if self._proc else "not started"

@@ -1,1 +1,2 @@
-"""End-to-end tests with unequal tensor parallelism: P at TP 2, D at TP 1."""
+"""End-to-end tests with unequal layouts: P at TP 2, D at PP 2 x TP 1 (a pipeline stage per core; each D stage reads
+its own layers from both P ranks, see conftest.py)."""

@@ -133,7 +133,7 @@ class SideChannelServer:
             raise SideChannelError(
                 f"cannot listen on side-channel port {port} at {host}{hint}: {exc}. "
                 "Another instance or rank uses it: give each instance on a host its own VLLM_KVP2P_SIDE_CHANNEL_PORT "
-                "(kv_connector_extra_config side_channel_port), leaving tp_size * dp_size ports between them."
+                "(kv_connector_extra_config side_channel_port), leaving dp_size * pp_size * tp_size ports between them."
             ) from exc
         self._deferred: list[tuple[bytes, Future[Reply], bytes]] = []  # (peer identity, answer, nonce to seal with)
         self._wake_r, self._wake_w = socket.socketpair()  # a byte written when a deferred answer is set

@@ -58,7 +58,7 @@ class MooncakeEngine:
         except ImportError as exc:  # libibverbs1 missing is the usual cause on a fresh machine
             raise TransferEngineError(
                 f"cannot import mooncake.engine ({exc}); install the Mooncake wheel for this platform "
-                "(pip install 'vllm-kvp2p[cpu]' or '[ascend]') and Debian's libibverbs1"
+                "(pip install -e '.[cpu]' or '.[ascend]' from this package's checkout) and Debian's libibverbs1"
             ) from exc
         engine = TransferEngine()
         rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)

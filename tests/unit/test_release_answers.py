@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_kvp2p.lifecycle.integrity import Verdict, judge
-from vllm_kvp2p.lifecycle.producer import ProducerLedger, ReleaseAnswer
+from vllm_kvp2p.lifecycle.producer import ProducerLedger
+from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
 from vllm_kvp2p.protocol import ClaimStatus, DigestQuery, UnitRanges, UnitSums
 
 QUESTION = b"fingerprint-of-the-release"
@@ -91,7 +92,7 @@ def test_answers_are_kept_within_their_bounds_and_a_forgotten_one_is_reported_lo
         tokens[rid] = claimed(ledger, rid)["d:0"]
         assert release(ledger, tokens[rid], rid, sums=bytes([i]) * 100).sums == bytes([i]) * 100
         assert ledger.table_sizes()["kept_answers"] <= 3
-        assert ledger._answer_bytes <= ledger.max_kept_answer_bytes
+        assert ledger.kept_answers.bytes <= ledger.kept_answers.max_bytes
     assert ledger.table_sizes()["kept_answers"] == 3
     # The oldest two were forgotten: their copies say so; the latest three still get their sums.
     assert release(ledger, tokens["r0"], "r0") == ReleaseAnswer(True, sums_lost=True)

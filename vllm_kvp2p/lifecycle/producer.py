@@ -41,7 +41,8 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
   than ``MAX_ID_LENGTH`` (readers: a little more) are refused. Every refusal is counted in
   :attr:`ProducerLedger.counters` and reported as a :class:`LedgerEvent` whose ``reason`` names the counter.
 * The answers kept for resent releases (:meth:`ProducerLedger.answer_release`) are the latest
-  ``max_kept_answers``, at most ``max_kept_answer_bytes`` in all; older ones are forgotten first.
+  ``max_kept_answers``, at most ``max_kept_answer_bytes`` in all; older ones are forgotten first
+  (:mod:`vllm_kvp2p.lifecycle.release_answers`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_kvp2p.lifecycle import release_answers as answers
 from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
+from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
@@ -63,8 +66,6 @@ EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read fr
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
 STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
-MAX_KEPT_ANSWERS = 16384  # releases whose integrity answer is kept for the same release resent
-MAX_KEPT_ANSWER_BYTES = 16 << 20  # their answers' bytes (one of 4096 units, the most a question names: ~80 KiB)
 
 
 @dataclass(frozen=True)
@@ -74,21 +75,6 @@ class LedgerEvent:
     request_id: str
     what: str
     reason: str = ""  # the counter a refusal or a bound hit was counted under ("": an ordinary event)
-
-
-@dataclass(frozen=True)
-class ReleaseAnswer:
-    """What P answers a release (:meth:`ProducerLedger.answer_release`)."""
-
-    lease_held: bool  # the reader's lease held from its claim to its release (ProducerLedger.release)
-    sums: bytes | None = None  # the answer to the release's integrity question, as the adapter gave it; None: none
-    sums_lost: bool = False  # the same release was answered sums before, and they are no longer kept
-
-
-@dataclass(frozen=True)
-class _KeptAnswer:
-    question: bytes  # what identifies the release that asked (the adapter's fingerprint of it)
-    sums: bytes | None
 
 
 @dataclass(frozen=True)
@@ -111,8 +97,8 @@ class ProducerLedger:
         max_early_releases: int = MAX_EARLY_RELEASES,
         early_release_ttl: float = EARLY_RELEASE_TTL,
         clock_skew: float = CLOCK_SKEW,
-        max_kept_answers: int = MAX_KEPT_ANSWERS,
-        max_kept_answer_bytes: int = MAX_KEPT_ANSWER_BYTES,
+        max_kept_answers: int = answers.MAX_KEPT_ANSWERS,
+        max_kept_answer_bytes: int = answers.MAX_KEPT_ANSWER_BYTES,
         token_factory: Callable[[], str] = lambda: secrets.token_hex(16),
     ) -> None:
         self.hold_timeout = hold_timeout
@@ -134,11 +120,8 @@ class ProducerLedger:
         self._tombstones: OrderedDict[Key, HoldState] = OrderedDict()
         self._confirmed: dict[Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
         self._tombstone_limit = tombstones
-        # The answer each reader's first release got, for that release resent (answer_release): oldest first.
-        self._answers: OrderedDict[tuple[str, str, str], _KeptAnswer] = OrderedDict()
-        self._answer_bytes = 0
-        self.max_kept_answers = max_kept_answers
-        self.max_kept_answer_bytes = max_kept_answer_bytes
+        # The answer each reader's first release got, for that release resent (answer_release).
+        self.kept_answers = answers.KeptAnswers(max_kept_answers, max_kept_answer_bytes)
         self._freed: list[str] = []
         self.events: list[LedgerEvent] = []
         self.counters: Counter[str] = Counter()
@@ -176,7 +159,7 @@ class ProducerLedger:
             "freed": len(self._freed),
             "deadlines": len(self._deadlines),
             "readers_per_hold": max((h.num_readers for h in self._holds.values()), default=0),
-            "kept_answers": len(self._answers),
+            "kept_answers": len(self.kept_answers),
         }
 
     # ------------------------------------------------------------------ events from vLLM
@@ -327,9 +310,9 @@ class ProducerLedger:
             return ReleaseAnswer(held)
         key = (request_id, hold_id, reader)
         if ends_lease:
-            self._keep_answer(key, _KeptAnswer(question, sums))
+            self.kept_answers.keep(key, answers.KeptAnswer(question, sums))
             return ReleaseAnswer(held, sums)
-        kept = self._answers.get(key)  # P confirmed this reader's read before: this is its release again
+        kept = self.kept_answers.get(key)  # P confirmed this reader's read before: this is its release again
         if kept is None:
             return ReleaseAnswer(held, sums_lost=True)
         return ReleaseAnswer(held, kept.sums if kept.question == question else None)
@@ -392,11 +375,7 @@ class ProducerLedger:
                 self._expire_one(hold, now)
             if not hold.state.final:
                 self._due_by(hold, hold.next_deadline())
-        while self._early:  # ordered by expiry
-            oldest = next(iter(self._early))
-            if self._early[oldest].until > now:
-                break
-            del self._early[oldest]
+        self._drop_expired_early(now)
 
     def _expire_one(self, hold: Hold, now: float) -> None:
         # Leases are granted only up to the hard deadline, so at it all lapse; say why.
@@ -434,25 +413,11 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ internals
 
-    def _keep_answer(self, key: tuple[str, str, str], answer: _KeptAnswer) -> None:
-        old = self._answers.pop(key, None)
-        if old is not None:
-            self._answer_bytes -= _cost(old)
-        self._answers[key] = answer
-        self._answer_bytes += _cost(answer)
-        while self._answers and (len(self._answers) > self.max_kept_answers
-                                 or self._answer_bytes > self.max_kept_answer_bytes):
-            self._answer_bytes -= _cost(self._answers.popitem(last=False)[1])
-
     def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
         key = (request_id, hold_id)
         prev = self._early.pop(key, None)
         if prev is None and len(self._early) >= self.max_early_releases:
-            while self._early:  # oldest first: drop what has expired
-                oldest = next(iter(self._early))
-                if self._early[oldest].until > now:
-                    break
-                del self._early[oldest]
+            self._drop_expired_early(now)
         if prev is None and len(self._early) >= self.max_early_releases:
             self._refuse(request_id, "early_release_table_full", f"release by {reader} before the hold not kept: "
                          f"{self.max_early_releases} early releases already waiting (the hold then waits for "
@@ -464,6 +429,13 @@ class ProducerLedger:
             readers = prev.readers
         # Re-inserted at the end: the table stays ordered by expiry.
         self._early[key] = _EarlyRelease(readers, expected_readers, now + self.early_release_ttl)
+
+    def _drop_expired_early(self, now: float) -> None:
+        while self._early:  # ordered by expiry, oldest first
+            oldest = next(iter(self._early))
+            if self._early[oldest].until > now:
+                break
+            del self._early[oldest]
 
     def _readers(self, request_id: str, expected_readers: int) -> int:
         if expected_readers > MAX_TP_SIZE:
@@ -526,7 +498,3 @@ class ProducerLedger:
 
     def _event(self, request_id: str, what: str, reason: str = "") -> None:
         self.events.append(LedgerEvent(request_id, what, reason))
-
-
-def _cost(answer: _KeptAnswer) -> int:
-    return len(answer.question) + len(answer.sums or b"")

@@ -46,8 +46,17 @@ def d_side() -> Iterator[tuple[MooncakeEngine, object]]:
     engine.close()
 
 
-def pull_from(d_side: tuple[MooncakeEngine, object], p: RawP) -> tuple[PullResult, float, float]:
-    """One pull of two blocks from ``p``: (its result, seconds, tracemalloc's peak in MiB meanwhile)."""
+def pull_answered(d_side: tuple[MooncakeEngine, object], frame: bytes) -> tuple[PullResult, float, float]:
+    """One pull of two blocks from a P answering every request ``frame``: (its result, seconds, tracemalloc's peak
+    in MiB meanwhile)."""
+    p = RawP(frame)
+    try:
+        return _pull_from(d_side, p)
+    finally:
+        p.close()
+
+
+def _pull_from(d_side: tuple[MooncakeEngine, object], p: RawP) -> tuple[PullResult, float, float]:
     engine, local = d_side
     loop = PullLoop(engine, reader="d:0", tp_size=1, tp_rank=0, local=local,  # type: ignore[arg-type]
                     side_channel_timeout=SIDE_CHANNEL_TIMEOUT, claim_wait=1.0, max_batch_entries=4)
@@ -72,11 +81,7 @@ def test_a_reply_over_the_frame_bound_fails_the_pull_at_once_with_nothing_built(
     assert MAX_REPLY_BYTES < len(frame) < 64 << 20  # accepted by the frame bound before
     before, _ = _peak(lambda: _old_replies.decode(frame))
     assert before > 150, before  # ~0.2 GiB of planes, on the pull thread of the process that holds the model
-    p = RawP(frame)
-    try:
-        result, took, peak = pull_from(d_side, p)
-    finally:
-        p.close()
+    result, took, peak = pull_answered(d_side, frame)
     assert result.outcome is Outcome.FAILED, result
     assert "closed the connection before its reply arrived" in result.reason, result.reason
     assert f"{MAX_REPLY_BYTES >> 10} KiB bound" in result.reason
@@ -87,11 +92,7 @@ def test_a_reply_over_the_frame_bound_fails_the_pull_at_once_with_nothing_built(
 def test_a_registration_of_more_planes_than_a_real_one_is_refused_naming_the_field(d_side) -> None:
     frame = claim_reply_frame(MAX_PLANES + 1)
     assert len(frame) < MAX_REPLY_BYTES
-    p = RawP(frame)
-    try:
-        result, took, peak = pull_from(d_side, p)
-    finally:
-        p.close()
+    result, took, peak = pull_answered(d_side, frame)
     assert result.outcome is Outcome.FAILED, result
     assert f"Expected `array` of length <= {MAX_PLANES} - at `$.registration.planes`" in result.reason, result.reason
     assert took < 1.0 and peak < 4, (took, peak)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.worker.test_integrity import pull
 from tests.worker.test_pull_two_engines import NUM_LAYERS, Pair
 from vllm_kvp2p import protocol
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
@@ -60,12 +61,6 @@ def releases_seen(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return seen
 
 
-def pull(pair: Pair, request_id: str, remote_ids: list[int], local_ids: list[int]):
-    pair.holds.hold(request_id, "h1", len(remote_ids), [remote_ids])
-    pair.pulls.submit(pair.plan(request_id, remote_ids, local_ids))
-    return pair.wait_result()
-
-
 def test_a_release_resent_after_its_answer_was_lost_is_still_verified(
         pair: Pair, first_answer_lost: list[Released], releases_seen: list[float]) -> None:
     """The copy arrives after P answered the first (its hold already released and gone): P answers it the kept
@@ -102,12 +97,12 @@ def test_a_resent_release_whose_sums_p_no_longer_keeps_counts_as_sums_lost_with_
         pair: Pair, first_answer_lost: list[Released], caplog: pytest.LogCaptureFixture) -> None:
     """P keeps no answer (the bound reached): the copy is answered ``sums_lost``, which D counts apart from a P
     that gave no sums, and says so."""
-    kept, pair.holds.ledger.max_kept_answers = pair.holds.ledger.max_kept_answers, 0
+    kept, pair.holds.ledger.kept_answers.max_answers = pair.holds.ledger.kept_answers.max_answers, 0
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.kvp2p.pull_loop"):
             result = pull(pair, "sums-forgotten", [7, 8], [4, 5])
     finally:
-        pair.holds.ledger.max_kept_answers = kept
+        pair.holds.ledger.kept_answers.max_answers = kept
     assert first_answer_lost
     assert result.outcome is Outcome.PULLED, result.reason  # the read itself is confirmed
     assert result.sums_lost and not result.unverified and result.verified_units == 0, result

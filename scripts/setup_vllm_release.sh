@@ -99,13 +99,20 @@ fi
 [ -x "$VENV/bin/vllm-router" ] || "$VENV/bin/python" -m pip --disable-pip-version-check -q install "vllm-router==0.1.17" >&2
 
 # This package, from a copy of the tree (see above); rebuilt when its sources change.
-want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup_vllm_release.sh | sha256sum | cut -d' ' -f1)
 mkdir -p "$SRC"
 # Refresh the copy: what git tracks plus new untracked files, never .venv or builds; keep the built modules and the
 # build directory so an unchanged C++ tree is not rebuilt.
 find "$SRC" -mindepth 1 -maxdepth 1 ! -name build ! -name '*.egg-info' ! -name .kvp2p-built ! -name vllm_kvp2p -exec rm -rf {} +
 [ -d "$SRC/vllm_kvp2p" ] && find "$SRC/vllm_kvp2p" -type f ! -name '*.so' -delete
-git ls-files -co --exclude-standard | grep -v -E '^(build|\.venv)/' | tar -cf - -T - | tar -xf - -C "$SRC"
+# KVP2P_SRC_COMMIT=<commit> copies that commit's tree instead (git archive): what scripts/check_vllm_releases.sh
+# does, so that its record is true of the commit it names whatever is uncommitted in the checkout.
+if [ -n "${KVP2P_SRC_COMMIT:-}" ]; then
+  git archive --format=tar "$KVP2P_SRC_COMMIT" | tar -xf - -C "$SRC"
+else
+  git ls-files -co --exclude-standard | grep -v -E '^(build|\.venv)/' | tar -cf - -T - | tar -xf - -C "$SRC"
+fi
+want=$(cd "$SRC" && cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup_vllm_release.sh \
+  | sha256sum | cut -d' ' -f1)
 # The venv is per machine but the tree copy per checkout: the editable install must point at this checkout's copy
 # (checked from outside it, as the console scripts run), or another checkout's install is reused by mistake.
 installed_here() {

@@ -17,6 +17,11 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BEGIN, END = "<!-- vllm-releases-table: begin -->", "<!-- vllm-releases-table: end -->"
 CI_RELEASES = {"0.23.0": "CI, every run: the whole suite", "0.32.0": "CI, every run: the whole suite"}
+# What a release check runs (scripts/check_vllm_releases.sh's TESTS and what they import, the package and its
+# build): a record is current only if its commit contains the last change to these (docs/compatibility.md).
+RAN_PATHS = ("vllm_kvp2p", "csrc", "setup.py", "pyproject.toml", "CMakeLists.txt", "scripts/run_suite.sh",
+             "tests/__init__.py", "tests/conftest.py", "tests/support", "tests/scheduler", "tests/e2e/conftest.py",
+             "tests/e2e/helpers.py", "tests/e2e/test_vllm_versions.py", "tests/e2e/test_pd_end_to_end.py")
 
 
 def _key(version: str) -> list[int]:
@@ -61,6 +66,9 @@ def main(argv: list[str]) -> int:
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
     wanted = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    if "--paths" in argv:
+        print(" ".join(RAN_PATHS))
+        return 0
     if "--write" in argv:
         doc.write_text(wanted)
     elif "--check" in argv:

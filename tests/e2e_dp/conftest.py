@@ -56,7 +56,8 @@ def dp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPCluster]:
     )
     decode = VllmServer(
         model, free_port(), cpus="1", log_path=logs / "decode.log",
-        extra_args=("--kv-transfer-config", kv_transfer_config("kv_consumer", "recompute", integrity="full")),
+        extra_args=("--kv-transfer-config", kv_transfer_config("kv_consumer", "recompute", integrity="full",
+                                                          test_hooks=True)),
         env={"MC_LOG_LEVEL": "ERROR"}, ready_timeout=400,
     )
     cluster = DPCluster(prefill, decode, base)

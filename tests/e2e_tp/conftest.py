@@ -144,6 +144,6 @@ def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         # and after it took milliseconds), so reads get 20 s here; no test in this package is about a timeout.
         prefill_env={"VLLM_KVP2P_HOLD_TIMEOUT": "60", "VLLM_KVP2P_TRANSFER_TIMEOUT": "20"},
         decode_env={"VLLM_KVP2P_TRANSFER_TIMEOUT": "20", "VLLM_KVP2P_CLAIM_WAIT": "5"},
-        decode_extra_config={"integrity": "full"},
+        decode_extra_config={"integrity": "full", "test_hooks": True},  # the corruption tests' hooks
     ) as cluster:
         yield cluster

@@ -34,8 +34,8 @@ CONNECTOR = "vllm_kvp2p.connector:MooncakeP2PConnector"
 #: (release file, release class, our subclass); the first two are the connector's bases.
 PAIRS: list[tuple[str, str, str]] = [
     (BASE, "KVConnectorBase_V1", CONNECTOR), (BASE, "SupportsHMA", CONNECTOR),
-    (BASE, "KVConnectorMetadata", "vllm_kvp2p.scheduler:KVP2PMetadata"),
-    (BASE, "KVConnectorWorkerMetadata", "vllm_kvp2p.scheduler:KVP2PWorkerMetadata"),
+    (BASE, "KVConnectorMetadata", "vllm_kvp2p.metadata:KVP2PMetadata"),
+    (BASE, "KVConnectorWorkerMetadata", "vllm_kvp2p.metadata:KVP2PWorkerMetadata"),
     (METRICS, "KVConnectorStats", "vllm_kvp2p.metrics:Kvp2pStats"),
     (METRICS, "KVConnectorPromMetrics", "vllm_kvp2p.metrics:Kvp2pPromMetrics"),
 ]

@@ -22,8 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm_kvp2p import metrics  # noqa: E402
 from vllm_kvp2p.config import KVP2PConfig  # noqa: E402
 from vllm_kvp2p.log import get_logger  # noqa: E402
+from vllm_kvp2p.metadata import KVP2PMetadata  # noqa: E402
 from vllm_kvp2p.platform import get_platform, worker_polling  # noqa: E402
-from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide  # noqa: E402
+from vllm_kvp2p.scheduler import SchedulerSide  # noqa: E402
 from vllm_kvp2p.worker import WorkerSide  # noqa: E402
 
 if TYPE_CHECKING:

@@ -135,7 +135,7 @@ class HoldService:
 
     def hold(self, request_id: str, hold_id: str, num_blocks: int = 0, blocks: Sequence[Sequence[int]] = ()) -> None:
         """``num_blocks``: every block vLLM keeps (the gauge); ``blocks``: those the params offer, per KV-cache group
-        (vllm_kvp2p/scheduler.HoldOrder.offered), the only ones a reader of the hold is answered about."""
+        (vllm_kvp2p/metadata.HoldOrder.offered), the only ones a reader of the hold is answered about."""
         logger.debug("KV hold %s (hold %s): %d blocks kept for a decoder", request_id, hold_id, num_blocks)
         offered = tuple(tuple(ids) for ids in blocks)
         with self._lock:

@@ -12,10 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from vllm_kvp2p import compat
 from vllm_kvp2p.auth import Authenticator
@@ -32,11 +29,12 @@ from vllm_kvp2p.kv_groups import (
     needed_tail,
 )
 from vllm_kvp2p.lifecycle.admission import Admitted, Prompt, UnboundPrompt
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.lora_weights import lora_digest
+from vllm_kvp2p.metadata import HoldOrder, KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.step_wakeup import StepWaiter
@@ -56,67 +54,6 @@ MAX_DIGESTS = 4096
 
 # Key of D's own transfer report in the kv_transfer_params it returns with a finished request.
 PULL_REPORT_KEY = "kvp2p_pull"
-
-
-@dataclass(frozen=True)
-class HoldOrder:
-    """P scheduler -> P workers: keep these blocks for a decoder."""
-
-    request_id: str
-    hold_id: str
-    num_blocks: int = 0  # every block vLLM keeps for it (all groups): the blocks-held gauge
-    # The blocks the params offer, per KV-cache group (remote_block_ids): all a reader may ask P's sums of.
-    offered: tuple[tuple[int, ...], ...] = ()
-
-
-@dataclass
-class KVP2PMetadata(KVConnectorMetadata):
-    """What one scheduler step tells the workers."""
-
-    holds: list[HoldOrder] = field(default_factory=list)
-    pulls: list[PullPlan] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PullReport:
-    """One D rank's account of one finished pull (worker -> scheduler, summed over ranks)."""
-
-    ok: bool
-    blocks: int
-    bytes: int
-    descriptors: int
-    seconds: float
-    reason: str = ""
-    failure: str = ""  # lifecycle.consumer.Failure value, for the metrics
-    verified: int = 0  # units (a block of one plane) whose integrity digests matched P's, over all ranks
-    unverified: bool = False  # a rank's P gave no digests with integrity checks on
-    sums_lost: bool = False  # a rank's P had answered the release, its digests lost on the way (a resent release)
-
-    def merge(self, other: PullReport) -> PullReport:
-        return PullReport(
-            self.ok and other.ok,
-            max(self.blocks, other.blocks),  # every rank fills the same logical blocks
-            self.bytes + other.bytes,
-            self.descriptors + other.descriptors,
-            max(self.seconds, other.seconds),
-            self.reason or other.reason,
-            self.failure or other.failure,
-            self.verified + other.verified,
-            self.unverified or other.unverified,
-            self.sums_lost or other.sums_lost,
-        )
-
-
-@dataclass
-class KVP2PWorkerMetadata(KVConnectorWorkerMetadata):
-    reports: dict[str, PullReport] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVP2PWorkerMetadata)
-        merged = dict(self.reports)
-        for req_id, report in other.reports.items():
-            merged[req_id] = merged[req_id].merge(report) if req_id in merged else report
-        return KVP2PWorkerMetadata(merged)
 
 
 class SchedulerSide:

@@ -26,12 +26,12 @@ from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.metadata import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.platform.base import KVArenaLike
 from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration, RankTable
 from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.scheduler import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.step_wakeup import StepNotifier
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry, planes_of

@@ -44,7 +44,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
-from vllm_kvp2p.scheduler import KVP2PMetadata, SchedulerSide
+from vllm_kvp2p.metadata import KVP2PMetadata
+from vllm_kvp2p.scheduler import SchedulerSide
 
 EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 7  # any non-EOS id

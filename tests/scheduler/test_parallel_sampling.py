@@ -27,7 +27,8 @@ from tests.scheduler.test_scheduler_lifecycle import (
     remote_params,
     report,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY, KVP2PWorkerMetadata
+from vllm_kvp2p.metadata import KVP2PWorkerMetadata
+from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 PARENT = "cmpl-abc-0-1a2b3c4d"  # vLLM's internal id of the parent: the client's id and a random suffix
 CHILDREN = [f"{i}_{PARENT}" for i in range(3)]

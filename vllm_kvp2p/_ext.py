@@ -6,16 +6,16 @@ lengths)`` as three lists, or ``None`` when the extension was not built (``VLLM_
 not load. ``AVAILABLE`` says which.
 
 The C++ code works on 64-bit integers. For inputs outside that domain (a value that is not an integer or not
-64-bit, or an address past 2**64 - 1) it raises TypeError/OverflowError and this wrapper answers with the
-Python reference instead, so the result is the reference's for every input.
+64-bit, or an address past 2**64 - 1) it raises TypeError/OverflowError; the caller,
+:func:`vllm_kvp2p.transfer.descriptors.build_descriptors`, answers with the Python reference then, so its result
+is the reference's for every input.
 
 Importing this module imports neither torch nor vllm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from vllm_kvp2p.log import get_logger
 
@@ -33,36 +33,7 @@ else:
 
 AVAILABLE: bool = _C is not None
 
-
-def _reference(
-    local_planes: Sequence[Any], remote_planes: Sequence[Any], local_ids: Sequence[int], remote_ids: Sequence[int]
-) -> Triple:
-    from vllm_kvp2p.transfer.descriptors import build_descriptors_py
-
-    d = build_descriptors_py(local_planes, remote_planes, local_ids, remote_ids)
-    return d.local_addrs, d.remote_addrs, d.lengths
-
-
-def _make_build_descriptors(fast: Callable[..., Triple]) -> Callable[..., Triple]:
-    def build_descriptors(
-        local_planes: Sequence[Any],
-        remote_planes: Sequence[Any],
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int],
-    ) -> Triple:
-        """C++ ``build_descriptors_py``: ``(local_addrs, remote_addrs, lengths)``; ValueError as the reference."""
-        try:
-            return fast(local_planes, remote_planes, local_ids, remote_ids)
-        except (TypeError, OverflowError):
-            # Outside 64-bit integers: the reference defines the answer (a result or its own exception).
-            return _reference(local_planes, remote_planes, local_ids, remote_ids)
-
-    return build_descriptors
-
-
-build_descriptors: Callable[..., Triple] | None = (
-    _make_build_descriptors(_C.build_descriptors) if _C is not None else None
-)
+build_descriptors: Callable[..., Triple] | None = _C.build_descriptors if _C is not None else None
 
 if AVAILABLE:
     logger.debug("vllm_kvp2p: using the C++ extension %s", getattr(_C, "__file__", "vllm_kvp2p._C"))

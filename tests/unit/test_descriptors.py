@@ -2,8 +2,8 @@
 
 Properties (for every implementation): descriptors cover exactly the requested bytes, never overlap on either
 side (for distinct ids), never leave their plane (even when planes are adjacent in memory), and pair a local
-plane with the same remote plane. The C++ builder (vllm_kvp2p._C through vllm_kvp2p._ext) must give output
-identical to build_descriptors_py, including which ValueError it raises.
+plane with the same remote plane. The C++ builder (vllm_kvp2p._C through vllm_kvp2p._ext, called by
+build_descriptors) must give output identical to build_descriptors_py, including which ValueError it raises.
 """
 
 from __future__ import annotations
@@ -49,15 +49,17 @@ def raw_cpp_builder(lp, rp, li, ri) -> Triple:
     return _C.build_descriptors(lp, rp, li, ri)
 
 
-def ext_builder(lp, rp, li, ri) -> Triple:
+def dispatch_builder(lp, rp, li, ri) -> Triple:
+    """What the package calls: the C++ builder, with the reference outside its 64-bit domain."""
     assert _ext.build_descriptors is not None
-    return _ext.build_descriptors(lp, rp, li, ri)
+    d = build_descriptors(lp, rp, li, ri)
+    return d.local_addrs, d.remote_addrs, d.lengths
 
 
 BUILDERS = [
     pytest.param(py_builder, id="python"),
     pytest.param(raw_cpp_builder, id="cpp", marks=requires_ext),
-    pytest.param(ext_builder, id="ext", marks=requires_ext),
+    pytest.param(dispatch_builder, id="dispatch", marks=requires_ext),
 ]
 
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,7 +268,7 @@ def test_cpp_matches_python(case):
     lp, rp, li, ri = case
     expected = py_builder(lp, rp, li, ri)
     assert raw_cpp_builder(lp, rp, li, ri) == expected
-    assert ext_builder(lp, rp, li, ri) == expected
+    assert dispatch_builder(lp, rp, li, ri) == expected
     assert build_descriptors(lp, rp, li, ri) == Descriptors(*expected)
 
 
@@ -277,7 +279,7 @@ def test_cpp_raises_like_python(case):
     lp, rp, li, ri = case
     expected = outcome(py_builder, lp, rp, li, ri)
     assert outcome(raw_cpp_builder, lp, rp, li, ri) == expected
-    assert outcome(ext_builder, lp, rp, li, ri) == expected
+    assert outcome(dispatch_builder, lp, rp, li, ri) == expected
 
 
 @requires_ext
@@ -286,7 +288,7 @@ def test_cpp_raises_like_python(case):
 def test_cpp_matches_python_on_arbitrary_integers(case):
     lp, rp, li, ri = case
     expected = outcome(py_builder, lp, rp, li, ri)
-    assert outcome(ext_builder, lp, rp, li, ri) == expected
+    assert outcome(dispatch_builder, lp, rp, li, ri) == expected
     try:
         raw = outcome(raw_cpp_builder, lp, rp, li, ri)
     except (TypeError, OverflowError):  # negative geometry: outside the C++ domain, the wrapper fell back
@@ -311,23 +313,23 @@ def test_cpp_matches_python_at_scale():
 
 
 @requires_ext
-def test_ext_falls_back_outside_64_bits():
+def test_dispatch_falls_back_outside_64_bits():
     from vllm_kvp2p import _C
 
     top = [PlaneGeometry(2**64 - 100, 64, 64, 16)]
     low = [PlaneGeometry(0, 64, 64, 16)]
     with pytest.raises(OverflowError):
         _C.build_descriptors(top, low, [3], [3])
-    assert ext_builder(top, low, [3], [3]) == py_builder(top, low, [3], [3]) == ([2**64 + 92], [192], [64])
+    assert dispatch_builder(top, low, [3], [3]) == py_builder(top, low, [3], [3]) == ([2**64 + 92], [192], [64])
     # ids beyond int64 with no planes: the reference returns nothing, whatever the ids
-    assert ext_builder([], [], [2**80], [-(2**80)]) == py_builder([], [], [2**80], [-(2**80)]) == ([], [], [])
+    assert dispatch_builder([], [], [2**80], [-(2**80)]) == py_builder([], [], [2**80], [-(2**80)]) == ([], [], [])
     # non-integer ids: whatever the reference does (here, float addresses)
-    assert ext_builder(low, low, [1.0], [2.0]) == py_builder(low, low, [1.0], [2.0])
+    assert dispatch_builder(low, low, [1.0], [2.0]) == py_builder(low, low, [1.0], [2.0])
     # ...and its errors
     with pytest.raises(TypeError):
         py_builder(low, low, ["x"], [1])
     with pytest.raises(TypeError):
-        ext_builder(low, low, ["x"], [1])
+        dispatch_builder(low, low, ["x"], [1])
 
 
 @requires_ext

@@ -18,7 +18,7 @@ from vllm_kvp2p.transfer.slicing import BlockShape
 
 if TYPE_CHECKING:
     from vllm_kvp2p.lifecycle.consumer import PullPlan
-    from vllm_kvp2p.lifecycle.pull import LocalKV, Source
+    from vllm_kvp2p.lifecycle.pull_actions import LocalKV, Source
 
 
 def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: RankRegistration) -> str:

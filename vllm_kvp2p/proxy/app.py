@@ -282,7 +282,8 @@ class PDProxy:
             headers = {"X-Request-Id": rid, **forwarded_headers(client_headers)}
             prompts = batch_prompts(body) if ENDPOINTS[path].batched else None
             if prompts is not None:
-                return await run_batch(self, body, prompts, headers, path, rid)
+                return await run_batch(self.run_one, self.limits, self.max_batch_concurrency, body, prompts, headers,
+                                       path, rid)
             return await self.run_one(body, headers, path, rid)
         except ProxyError as exc:
             logger.warning("request %s: %s", rid, exc.message)

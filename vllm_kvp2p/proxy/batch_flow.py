@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from vllm_kvp2p.proxy.batch import (
     PartError,
@@ -25,12 +25,12 @@ from vllm_kvp2p.proxy.batch import (
     split_events,
 )
 from vllm_kvp2p.proxy.upstream import ERROR_BODY_SNIPPET, Answer, PassThrough, ProxyError, Relay
-from vllm_kvp2p.proxy.validation import check_n, lax_bool
-
-if TYPE_CHECKING:
-    from vllm_kvp2p.proxy.app import PDProxy
+from vllm_kvp2p.proxy.validation import Limits, check_n, lax_bool
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
+
+#: One prompt's P/D flow (``PDProxy.run_one``): (body, headers, path, request id) -> D's answer or stream.
+RunOne = Callable[[dict[str, Any], dict[str, str], str, str], Awaitable[Answer | Relay]]
 
 # Events of the parts waiting for the client: a slow reader holds the parts back, as it would one D stream.
 _QUEUE_EVENTS = 64
@@ -74,20 +74,22 @@ class PartFailed(Exception):
 
 
 async def run_batch(
-    proxy: PDProxy, body: dict[str, Any], prompts: Sequence[Any], headers: dict[str, str], path: str, rid: str
+    run_one: RunOne, limits: Limits, max_concurrency: int,
+    body: dict[str, Any], prompts: Sequence[Any], headers: dict[str, str], path: str, rid: str,
 ) -> Answer | Relay:
-    """The batch's one answer (a merged JSON, a merged stream, or the first failing part's error)."""
+    """The batch's one answer (a merged JSON, a merged stream, or the first failing part's error): each prompt's
+    flow is ``run_one``'s, at most ``max_concurrency`` at once."""
     parts = split_body(body, prompts)
-    n = check_n(body, chat=False, limits=proxy.limits)
-    limit = asyncio.Semaphore(proxy.max_batch_concurrency)
-    logger.info("request %s: batch of %d prompts, %d at a time", rid, len(parts), proxy.max_batch_concurrency)
+    n = check_n(body, chat=False, limits=limits)
+    limit = asyncio.Semaphore(max_concurrency)
+    logger.info("request %s: batch of %d prompts, %d at a time", rid, len(parts), max_concurrency)
 
     def part_headers(i: int) -> dict[str, str]:
         return {**headers, "X-Request-Id": f"{rid}-{i}"}  # vLLM's own id for prompt i of a batch
 
     if lax_bool(body.get("stream")):
-        return await _stream(proxy, parts, n, limit, part_headers, path, rid)
-    return await _json(proxy, parts, n, limit, part_headers, path, rid)
+        return await _stream(run_one, parts, n, limit, part_headers, path, rid)
+    return await _json(run_one, parts, n, limit, part_headers, path, rid)
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
@@ -96,12 +98,12 @@ async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _json(proxy: PDProxy, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
+async def _json(run_one: RunOne, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
                 part_headers: Any, path: str, rid: str) -> Answer:
     async def part(i: int) -> Answer:
         async with limit:
             try:
-                answer = await proxy.run_one(parts[i], part_headers(i), path, f"{rid}-{i}")
+                answer = await run_one(parts[i], part_headers(i), path, f"{rid}-{i}")
                 if not isinstance(answer, Answer):  # a stream although not asked for: close it, refuse it
                     answer.close()
                     raise ProxyError(502, "decode instance streamed a non-streaming request", "upstream_error")
@@ -137,9 +139,9 @@ async def _json(proxy: PDProxy, parts: list[dict[str, Any]], n: int, limit: asyn
 class _Parts:
     """The parts' streams, read as one: each part's events go through one queue to the client's stream."""
 
-    def __init__(self, proxy: PDProxy, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
+    def __init__(self, run_one: RunOne, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
                  part_headers: Any, path: str, rid: str) -> None:
-        self.proxy, self.parts, self.limit, self.path, self.rid = proxy, parts, limit, path, rid
+        self.run_one, self.parts, self.limit, self.path, self.rid = run_one, parts, limit, path, rid
         self.part_headers = part_headers
         self.merger = StreamMerger(n)
         self.queue: asyncio.Queue[tuple[int, bytes | PartFailed | None]] = asyncio.Queue(_QUEUE_EVENTS)
@@ -149,7 +151,7 @@ class _Parts:
     async def _part(self, i: int) -> None:
         async with self.limit:
             try:
-                opened = await self.proxy.run_one(self.parts[i], self.part_headers(i), self.path, f"{self.rid}-{i}")
+                opened = await self.run_one(self.parts[i], self.part_headers(i), self.path, f"{self.rid}-{i}")
             except Exception as exc:  # noqa: BLE001 - every failure of a part is the batch's one error
                 await self.queue.put((i, PartFailed.of(i, exc)))
                 return
@@ -192,9 +194,9 @@ class _Parts:
             task.cancel()
 
 
-async def _stream(proxy: PDProxy, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
+async def _stream(run_one: RunOne, parts: list[dict[str, Any]], n: int, limit: asyncio.Semaphore,
                   part_headers: Any, path: str, rid: str) -> Answer | Relay:
-    streams = _Parts(proxy, parts, n, limit, part_headers, path, rid)
+    streams = _Parts(run_one, parts, n, limit, part_headers, path, rid)
     handed_off = False
     try:
         first = await streams.next()  # nothing sent yet: a failure now is a normal error answer

@@ -1,9 +1,9 @@
-"""Asking instances' ``/health`` (the I/O half of :mod:`health`), and the proxy's own ``/health``.
+"""Asking instances' ``/health`` (the I/O half of :mod:`health`).
 
 :func:`probe_skipped` runs for the proxy's lifetime and, every second, asks each instance that :mod:`health`
 skips whether it is back; it only delivers the answers (``InstancePool.probed``), the state machine decides.
-:func:`probe_health` is one such question, also asked of every instance by ``/health?probe=true``
-(:func:`health_report`).
+:func:`probe_health` is one such question, also asked of every instance by the proxy's own ``/health?probe=true``
+(:func:`vllm_kvp2p.proxy.server.health_report`).
 """
 
 from __future__ import annotations
@@ -11,17 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-from fastapi.responses import JSONResponse
 
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.instances import InstancePool
-from vllm_kvp2p.proxy.prompt_tokens import reader_snapshot
 from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Upstream, describe
-
-if TYPE_CHECKING:
-    from vllm_kvp2p.proxy.app import PDProxy
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -52,39 +45,3 @@ async def probe_skipped(pools: Sequence[InstancePool], client: Upstream, timeout
             pool.probed(url, ok, err)
             if ok:
                 logger.info("instance %s answers /health again: routed to again", url)
-
-
-async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
-    """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
-    backend's own /health.
-
-    Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
-    """
-    prefill = proxy.prefill.snapshot()
-    decode = proxy.decode.snapshot()
-    status_code = 200
-    body: dict[str, Any] = {
-        "status": "ok",
-        "prefill": prefill,
-        "decode": decode,
-        "prefill_retries": proxy.prefill_retries,
-        "routing": {
-            "policy": proxy.prefill.policy.value,
-            "prefix_weight": proxy.prefill.prefix_weight,
-            "kv_events": proxy.prompts is not None,
-            "index_blocks": sum(len(i.cache) for pool in (proxy.prefill, proxy.decode) for i in pool.instances),
-            **reader_snapshot(proxy.prompts),
-        },
-    }
-    if probe:
-        entries = [*prefill, *decode]
-        results = await asyncio.gather(
-            *(probe_health(proxy.client, str(e["url"]), proxy.health_probe_timeout_s) for e in entries))
-        for entry, (ok, err) in zip(entries, results, strict=True):
-            entry["healthy"] = ok
-            if err is not None:
-                entry["error"] = err
-        if not any(e["healthy"] for e in prefill) or not any(e["healthy"] for e in decode):
-            body["status"] = "unhealthy"
-            status_code = 503
-    return JSONResponse(body, status_code)

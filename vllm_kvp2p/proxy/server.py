@@ -1,11 +1,14 @@
 """The proxy's app: its instance pools, routing settings (docs/routing.md) and request bounds, and its routes
-(docs/api.md): all on bare ASGI (:mod:`asgi`) but ``/health``, which FastAPI serves with the lifespan."""
+(docs/api.md): all on bare ASGI (:mod:`asgi`) but ``/health``, which FastAPI serves with the lifespan
+(:func:`health_report`; the instances' own ``/health`` is asked by :mod:`health_probe`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -20,10 +23,10 @@ from vllm_kvp2p.proxy.app import (
 from vllm_kvp2p.proxy.asgi import ProxyASGI
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
-from vllm_kvp2p.proxy.health_probe import health_report
+from vllm_kvp2p.proxy.health_probe import probe_health
 from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
-from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader
+from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader, reader_snapshot
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import normalize_url
 from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N, Limits
@@ -132,3 +135,39 @@ def create_app(
         return await health_report(proxy, probe_backends_on_health if probe is None else probe)
 
     return ProxyASGI(proxy, app)
+
+
+async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
+    """Instances and their outstanding counts, and the prefill retry count; with ``probe``, also each
+    backend's own /health.
+
+    Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
+    """
+    prefill = proxy.prefill.snapshot()
+    decode = proxy.decode.snapshot()
+    status_code = 200
+    body: dict[str, Any] = {
+        "status": "ok",
+        "prefill": prefill,
+        "decode": decode,
+        "prefill_retries": proxy.prefill_retries,
+        "routing": {
+            "policy": proxy.prefill.policy.value,
+            "prefix_weight": proxy.prefill.prefix_weight,
+            "kv_events": proxy.prompts is not None,
+            "index_blocks": sum(len(i.cache) for pool in (proxy.prefill, proxy.decode) for i in pool.instances),
+            **reader_snapshot(proxy.prompts),
+        },
+    }
+    if probe:
+        entries = [*prefill, *decode]
+        results = await asyncio.gather(
+            *(probe_health(proxy.client, str(e["url"]), proxy.health_probe_timeout_s) for e in entries))
+        for entry, (ok, err) in zip(entries, results, strict=True):
+            entry["healthy"] = ok
+            if err is not None:
+                entry["error"] = err
+        if not any(e["healthy"] for e in prefill) or not any(e["healthy"] for e in decode):
+            body["status"] = "unhealthy"
+            status_code = 503
+    return JSONResponse(body, status_code)

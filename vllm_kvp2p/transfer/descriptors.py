@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from vllm_kvp2p import _ext
+
 
 class PlaneGeometry(msgspec.Struct, frozen=True, array_like=True):
     """Where a plane's blocks live in (registered) memory."""
@@ -119,10 +121,14 @@ def build_descriptors(
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
 ) -> Descriptors:
-    """Descriptor builder: the C++ fast path when the extension is built, else the Python reference."""
-    from vllm_kvp2p import _ext
-
+    """Descriptor builder: the C++ fast path when the extension is built, else the Python reference. The C++ code
+    works on 64-bit integers: outside that domain (TypeError/OverflowError) the reference defines the answer (a
+    result or its own exception), so the result is the reference's for every input."""
     fast = _ext.build_descriptors
     if fast is None:
         return build_descriptors_py(local_planes, remote_planes, local_ids, remote_ids)
-    return Descriptors(*fast(local_planes, remote_planes, list(local_ids), list(remote_ids)))
+    local_ids, remote_ids = list(local_ids), list(remote_ids)
+    try:
+        return Descriptors(*fast(local_planes, remote_planes, local_ids, remote_ids))
+    except (TypeError, OverflowError):
+        return build_descriptors_py(local_planes, remote_planes, local_ids, remote_ids)

@@ -42,6 +42,24 @@ def test_the_two_selections_split_the_suite() -> None:
     assert not modules("pure", "tests/e2e")
 
 
+def test_the_older_vllm_skips_exactly_the_packages_named_newest_only(monkeypatch) -> None:
+    """KVP2P_TESTS=older (vLLM 0.23's run) is the contract selection less the packages of NEWEST_VLLM_ONLY, each
+    of which exists (a renamed package would otherwise quietly run on both again). The collection hook itself,
+    asked about every package directory of tests/ (pytest consults it for what it finds under `tests`, the path
+    scripts/test.sh gives)."""
+    import tests.conftest as rule
+
+    assert rule.NEWEST_VLLM_ONLY and all((ROOT / "tests" / n / "__init__.py").is_file() for n in rule.NEWEST_VLLM_ONLY)
+    packages = {d.name for d in (ROOT / "tests").iterdir() if (d / "__init__.py").is_file()} - {"support", "unit"}
+
+    def skipped(mode: str) -> set[str]:
+        monkeypatch.setattr(rule, "MODE", mode)
+        return {name for name in packages if rule.pytest_ignore_collect(ROOT / "tests" / name)}
+
+    assert skipped("contract") == set()
+    assert skipped("older") == set(rule.NEWEST_VLLM_ONLY)
+
+
 LEFT_BEHIND = '''
 import time
 from types import SimpleNamespace

@@ -6,15 +6,21 @@ records for releases without a CPU build).
     python scripts/vllm_releases_table.py            # print it
     python scripts/vllm_releases_table.py --write    # put it between the markers in docs/compatibility.md
     python scripts/vllm_releases_table.py --check    # exit 1 when the doc's table is not the records' (a test)
+    python scripts/vllm_releases_table.py --paths    # what a release check runs (RAN_PATHS)
+
+A record's row says "tested at <commit>" only while it is current (docs/compatibility.md, "When a record says
+tested"), so the table depends on git: without the history (a tarball, a shallow clone) --write and --check exit 2.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 BEGIN, END = "<!-- vllm-releases-table: begin -->", "<!-- vllm-releases-table: end -->"
 CI_RELEASES = {"0.23.0": "CI, every run: the whole suite", "0.32.0": "CI, every run: the whole suite"}
 # What a release check runs (scripts/check_vllm_releases.sh's TESTS and what they import, the package and its
@@ -28,6 +34,41 @@ def _key(version: str) -> list[int]:
     return [int(part) for part in version.split(".")]
 
 
+class NoHistory(Exception):
+    """This checkout has no git history to judge a record by."""
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
+
+
+def history() -> None:
+    """Raise :class:`NoHistory` unless ROOT is the top of a git checkout with its whole history."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT:
+        raise NoHistory(f"{ROOT} is not a git checkout")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        raise NoHistory(f"{ROOT} is a shallow clone: a record's commit may be missing from it")
+
+
+def last_change() -> str:
+    """The last commit (from HEAD) that changed what a release check runs."""
+    history()
+    return _git("log", "-1", "--format=%H", "HEAD", "--", *RAN_PATHS).stdout.strip()
+
+
+def is_current(record: dict) -> bool:
+    """The rule: a passing record is current when its commit is HEAD or an ancestor of it, contains the last change to
+    RAN_PATHS, and the run had no uncommitted change to them ("dirty"). Raises NoHistory without git history."""
+    commit = record.get("commit")
+    if not commit or record.get("dirty") or record["exit"] != 0 or record["failed"] != 0:
+        return False
+    last = last_change()
+    ancestor = ("merge-base", "--is-ancestor")
+    return (_git(*ancestor, commit, "HEAD").returncode == 0
+            and (not last or _git(*ancestor, last, commit).returncode == 0))
+
+
 def table() -> str:
     runs = json.loads((DOCS / "vllm_releases.json").read_text())
     static_path = DOCS / "vllm_hooks_static.json"
@@ -39,13 +80,22 @@ def table() -> str:
                         f"{'2.11.0' if version == '0.23.0' else '2.13.0+cpu'} | tested |")
         elif version in runs:
             r = runs[version]
+            at = f" at `{r['commit'][:12]}`" if r.get("commit") else ""
+            counts = f"{r['passed']} passed, {r['skipped']} skipped, {r['seconds']} s"
             if r["exit"] == 0 and r["failed"] == 0:
-                result = f"tested: {r['passed']} passed, {r['skipped']} skipped, {r['seconds']} s"
+                if is_current(r):
+                    result = f"tested{at}: {counts}"
+                elif not at:
+                    result = f"last tested {r['date']}, commit not recorded, so not current: {counts}"
+                elif r.get("dirty"):
+                    result = f"last tested{at} plus uncommitted changes, not current: {counts}"
+                else:
+                    result = f"last tested{at}, since changed: {counts}"
             elif r["exit"] == 3:
-                result = "untested: its environment could not be made"
+                result = f"untested{at}: its environment could not be made"
             else:
                 failed = "; ".join(f.split("::")[-1] for f in r["failures"][:3])
-                result = f"untested: {r['failed']} failed ({failed})"
+                result = f"untested{at}: {r['failed']} failed ({failed})"
             rows.append(f"| {version} | contract tests + real P/D (`bash scripts/check_vllm_releases.sh {version}`) "
                         f"| {r['date']} | {r['torch'] or '?'} | {result} |")
         else:
@@ -61,23 +111,28 @@ def table() -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--paths" in argv:
+        print(" ".join(RAN_PATHS))
+        return 0
     doc = DOCS / "compatibility.md"
     text = doc.read_text()
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    wanted = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-    if "--paths" in argv:
-        print(" ".join(RAN_PATHS))
-        return 0
+    try:
+        wanted = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    except NoHistory as exc:
+        print(f"cannot judge the release records: {exc}", file=sys.stderr)
+        return 2
     if "--write" in argv:
         doc.write_text(wanted)
     elif "--check" in argv:
         if BEGIN not in text or wanted != text:
-            print("docs/compatibility.md's release table is not the records': python scripts/vllm_releases_table.py "
-                  "--write", file=sys.stderr)
+            print("docs/compatibility.md's release table is not the records' (a record stops being current when what "
+                  "it ran changes: re-run `bash scripts/check_vllm_releases.sh VERSION`, or let the table say so): "
+                  "python scripts/vllm_releases_table.py --write", file=sys.stderr)
             return 1
     else:
-        print(table())
+        print(wanted[len(head) + len(BEGIN) + 1:-len(END) - len(tail) - 1])
     return 0
 
 

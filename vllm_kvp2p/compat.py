@@ -1,7 +1,8 @@
 """The one place that knows which vLLM versions exist and how their connector contracts differ.
 
-Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: the releases in
-:data:`TESTED_RELEASES` (docs/compatibility.md).
+Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: the releases CI runs at every
+commit, :data:`TESTED_RELEASES`; release-checked: those scripts/check_vllm_releases.sh passed at a recorded commit,
+:data:`CHECKED_RELEASES` (docs/compatibility.md says at which commit, and whether the code has changed since).
 Nothing else in the package compares versions or probes vLLM for optional parts: it asks
 this module. Where the contract differs, the difference is detected from vLLM's own classes (a method or field is
 there or not), not from the version number, so a patched or back-ported vLLM still gets the right path; the
@@ -33,12 +34,15 @@ logger = get_logger(__name__)
 
 #: Oldest vLLM the connector starts on; older ones are refused unless ALLOW_UNSUPPORTED_SETTING is set.
 MIN_SUPPORTED = (0, 23)
-#: Releases with a recorded pass: CI runs the whole suite on 0.23.0 and 0.32.0; scripts/check_vllm_releases.sh
-#: ran the contract tests and a real P/D pair on the others (docs/vllm_releases.json, whose passing entries
-#: tests/unit/test_vllm_releases_table.py holds this set to).
-TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({
-    (0, 23, 0), (0, 24, 0), (0, 25, 0), (0, 25, 1), (0, 26, 0), (0, 27, 0), (0, 27, 1), (0, 28, 0), (0, 29, 0),
-    (0, 30, 0), (0, 31, 0), (0, 32, 0),
+#: Tested: CI runs the whole suite on these at every commit (scripts/test.sh).
+TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({(0, 23, 0), (0, 32, 0)})
+#: Release-checked: scripts/check_vllm_releases.sh ran the contract tests and a real P/D pair on these and recorded a
+#: pass (docs/vllm_releases.json, whose passing entries tests/unit/test_vllm_releases_table.py holds this set to), at a
+#: commit that may be older than this code, so they are never called tested here: docs/compatibility.md names each
+#: record's commit and says whether it is current.
+CHECKED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({
+    (0, 24, 0), (0, 25, 0), (0, 25, 1), (0, 26, 0), (0, 27, 0), (0, 27, 1), (0, 28, 0), (0, 29, 0), (0, 30, 0),
+    (0, 31, 0),
 })
 #: The environment variable that lets an older vLLM start anyway. Environment only: the check runs when the
 #: connector module is imported, before vLLM hands it the kv_connector_extra_config.
@@ -74,12 +78,26 @@ def installed_vllm_version() -> str:
 
 @dataclass(frozen=True)
 class SupportVerdict:
-    """What the connector does on a given vLLM: start quietly, start with a warning, or refuse."""
+    """What the connector does on a given vLLM: start quietly (tested or release-checked), start with a warning, or
+    refuse."""
 
     version: str
     supported: bool
     tested: bool
     message: str
+    checked: bool = False  # a release-checked release (CHECKED_RELEASES), not tested at every commit
+
+    @property
+    def warns(self) -> bool:
+        """Started with the "untested" warning: supported, but neither tested nor release-checked."""
+        return self.supported and not (self.tested or self.checked)
+
+    @property
+    def label(self) -> str:
+        """What the start-up line says of this vLLM."""
+        if self.tested:
+            return "tested"
+        return "release-checked at a recorded commit, see docs/compatibility.md" if self.checked else "untested"
 
 
 def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVerdict:
@@ -103,17 +121,33 @@ def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVer
             "to start anyway."
         ))
     if parsed in TESTED_RELEASES:
-        return SupportVerdict(version, True, True, f"vLLM {version}: a tested version")
+        return SupportVerdict(version, True, True, f"vLLM {version}: a tested version (CI runs it at every commit)")
+    if parsed in CHECKED_RELEASES:
+        return SupportVerdict(version, True, False, (
+            f"vLLM {version}: release-checked (scripts/check_vllm_releases.sh passed on it at the commit "
+            f"docs/compatibility.md names; tested at every commit: {tested_names})"
+        ), checked=True)
     return SupportVerdict(version, True, False, (
-        f"vLLM {version} is untested with MooncakeP2PConnector (tested: {tested_names}); starting anyway. "
+        f"vLLM {version} is untested with MooncakeP2PConnector (tested: {tested_names}; release-checked: "
+        f"{checked_releases_text()}); starting anyway. "
         "Report problems with the vLLM version."
     ))
 
 
 def tested_releases_text() -> str:
-    """``0.23.0 to 0.32.0`` when every release between two is tested (by minor series), else a list."""
-    names = [".".join(map(str, v)) for v in sorted(TESTED_RELEASES)]
-    minors = sorted({v[1] for v in TESTED_RELEASES})
+    """``0.23.0 and 0.32.0``: the releases CI tests at every commit (``0.23.0 to 0.32.0, every release`` if those
+    were ever every minor series between two)."""
+    return _releases_text(TESTED_RELEASES)
+
+
+def checked_releases_text() -> str:
+    """``0.24.0 to 0.31.0, every release``: the release-checked releases (:data:`CHECKED_RELEASES`)."""
+    return _releases_text(CHECKED_RELEASES)
+
+
+def _releases_text(releases: frozenset[tuple[int, int, int]]) -> str:
+    names = [".".join(map(str, v)) for v in sorted(releases)]
+    minors = sorted({v[1] for v in releases})
     if len(names) > 2 and minors == list(range(minors[0], minors[-1] + 1)):
         return f"{names[0]} to {names[-1]}, every release"
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
@@ -139,9 +173,9 @@ def check_vllm_supported(version: str | None = None) -> SupportVerdict:
         ascend = installed_ascend_version()
         logger.info(
             "MooncakeP2PConnector on vLLM %s (%s), vllm-ascend %s, Mooncake %s", verdict.version,
-            "tested" if verdict.tested else "untested", ascend or "not installed", installed_mooncake_version(),
+            verdict.label, ascend or "not installed", installed_mooncake_version(),
         )
-        if not verdict.tested:
+        if verdict.warns:
             logger.warning("%s", verdict.message)
         pairing = ascend_pairing_problem(verdict.version, ascend)
         if pairing is not None:

@@ -6,11 +6,13 @@ version is written here from vLLM's own code, not taken from vllm_kvp2p.compat, 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import vllm
 
-from vllm_kvp2p.compat import parse_version, support_verdict
+from vllm_kvp2p.compat import parse_version
 from vllm_kvp2p.testing.cluster import PDCluster
 
 # Which route gives the KV cache the connector's arena, per release series (read in each release's source):
@@ -43,6 +45,14 @@ def test_kv_cache_comes_from_one_arena_by_the_route_this_vllm_has(cluster: PDClu
 
 def test_the_log_says_which_vllm_runs_and_warns_only_when_untested(cluster: PDCluster) -> None:
     log = cluster.decode.log_path.read_text(errors="replace")
-    # Quiet on a tested release (CI's two are), one warning on a release being checked for the first time.
-    assert ("untested with MooncakeP2PConnector" in log) == (not support_verdict(vllm.__version__).tested)
+    # Quiet on a tested release (CI's two) or a release-checked one (a passing record of
+    # scripts/check_vllm_releases.sh), one warning on a release being checked for the first time; the start-up line
+    # says which. Written from the record, not from compat.
+    version = parse_version(vllm.__version__)
+    records = json.loads((Path(__file__).resolve().parents[2] / "docs" / "vllm_releases.json").read_text())
+    checked = {parse_version(v) for v, r in records.items() if r["exit"] == 0 and r["failed"] == 0}
+    label = ("tested" if version in {(0, 23, 0), (0, 32, 0)} else
+             "release-checked at a recorded commit" if version in checked else "untested")
+    assert ("untested with MooncakeP2PConnector" in log) == (label == "untested")
+    assert f"MooncakeP2PConnector on vLLM {vllm.__version__} ({label}" in log
     assert "Traceback" not in log

@@ -1,8 +1,9 @@
 """Which vLLM versions the connector starts on (vllm_kvp2p/compat.py), against vLLM's real Scheduler creating it.
 
 Older than 0.23: refused at start-up with a message naming the supported range and the override setting (and the
-override works); a tested release (compat.TESTED_RELEASES) starts quietly; anything else from 0.23 on starts with one
-warning naming the tested releases.
+override works); a tested release (compat.TESTED_RELEASES, CI's two) and a release-checked one (compat.CHECKED_RELEASES,
+passed scripts/check_vllm_releases.sh at a recorded commit) start quietly, the start-up line saying which; anything else
+from 0.23 on starts with one warning naming both sets.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from vllm_kvp2p import compat
 
 
 @pytest.mark.parametrize(
-    ("version", "supported", "tested"),
+    ("version", "supported", "tested", "checked"),
     [
-        ("0.22.1", False, False), ("0.11.0", False, False), ("0.23.0", True, True), ("0.23.1rc1", True, False),
-        ("0.32.0", True, True), ("0.32.0+cpu", True, True), ("0.28.2", True, False), ("0.33.0", True, False),
-        ("1.0.0", True, False), ("garbage", False, False),
+        ("0.22.1", False, False, False), ("0.11.0", False, False, False), ("0.23.0", True, True, False),
+        ("0.23.1rc1", True, False, False), ("0.32.0", True, True, False), ("0.32.0+cpu", True, True, False),
+        ("0.24.0", True, False, True), ("0.31.0", True, False, True), ("0.28.2", True, False, False),
+        ("0.33.0", True, False, False), ("1.0.0", True, False, False), ("garbage", False, False, False),
     ],
 )
-def test_support_verdict(version: str, supported: bool, tested: bool) -> None:
+def test_support_verdict(version: str, supported: bool, tested: bool, checked: bool) -> None:
     verdict = compat.support_verdict(version)
-    assert (verdict.supported, verdict.tested) == (supported, tested), verdict
+    assert (verdict.supported, verdict.tested, verdict.checked) == (supported, tested, checked), verdict
+    assert verdict.warns == (supported and not tested and not checked)
+    assert ("release-checked" in verdict.label) == checked
     if not supported:
         assert "vLLM >= 0.23" in verdict.message and compat.ALLOW_UNSUPPORTED_SETTING in verdict.message
         assert compat.support_verdict(version, allow_unsupported=True).supported
@@ -80,13 +84,13 @@ def test_untested_newer_vllm_starts_with_one_warning(
 
 
 def test_the_running_vllm_warns_exactly_when_untested(fresh_warning: None, caplog: pytest.LogCaptureFixture) -> None:
-    """CI's two releases are tested ones (no warning); a release being checked for the first time by
-    scripts/check_vllm_releases.sh is not yet, and says so once."""
-    tested = compat.support_verdict(vllm.__version__).tested
+    """CI's two releases are tested ones and those scripts/check_vllm_releases.sh passed are release-checked ones
+    (no warning); a release being checked for the first time is neither yet, and says so once."""
+    warns = compat.support_verdict(vllm.__version__).warns
     with caplog.at_level(logging.WARNING):
         _producer_scheduler()
     warnings = [r for r in caplog.records if "untested with MooncakeP2PConnector" in r.getMessage()]
-    assert len(warnings) == (0 if tested else 1), [r.getMessage() for r in warnings]
+    assert len(warnings) == (1 if warns else 0), [r.getMessage() for r in warnings]
 
 
 def test_an_old_vllm_gets_the_message_not_an_import_error() -> None:

@@ -118,8 +118,9 @@ def version_findings(env: Mapping[str, str]) -> list[Finding]:
     verdict = compat.support_verdict(vllm_version, compat.allow_unsupported_from_env(env))
     ascend = compat.installed_ascend_version()
     mooncake = compat.installed_mooncake_version()
-    found = [Finding(OK if verdict.tested else (WARNING if verdict.supported else PROBLEM), "vllm",
-                     verdict.message if not verdict.tested else f"vLLM {vllm_version} (tested)")]
+    found = [Finding(WARNING if verdict.warns else (OK if verdict.supported else PROBLEM), "vllm",
+                     verdict.message if verdict.warns or not verdict.supported else
+                     f"vLLM {vllm_version} ({verdict.label})")]
     pairing = compat.ascend_pairing_problem(vllm_version, ascend)
     found.append(Finding(WARNING, "vllm-ascend", pairing) if pairing else
                  Finding(OK, "vllm-ascend", ascend or "not installed (CPU)"))

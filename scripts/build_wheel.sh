@@ -21,7 +21,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   exit 1
 fi
 if ! "$PY" -c "import build, pybind11, cmake, ninja" 2>/dev/null; then
-  echo "[build_wheel] installing build tools into $("$PY" -c 'import sys; print(sys.prefix)'): build pybind11 cmake ninja"
+  echo "[build_wheel] installing the missing build tools (build pybind11 cmake ninja) with $PY -m pip"
   "$PY" -m pip install -q build "pybind11>=2.10" "cmake>=3.22" ninja
 fi
 "$PY" -c "import torch; print('[build_wheel] building against torch', torch.__version__, 'at', torch.__path__[0])"

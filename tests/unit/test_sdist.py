@@ -47,10 +47,9 @@ def sdist_names(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set
     (src / "vllm_kvp2p" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF built in place")
     out = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "VLLM_KVP2P_SKIP_EXT": "1"}
+    hook = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))",
-         str(out)],
-        cwd=src, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", hook, str(out)], cwd=src, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (sdist,) = out.glob("vllm_kvp2p-*.tar.gz")

@@ -1,4 +1,9 @@
-"""Which P ranks and heads each D rank reads: pure function, both sides agree on every count."""
+"""Which P ranks and heads each D rank reads: pure function, both sides agree on every count.
+
+The heads each TP rank holds are not taken from ``Layout.heads_of`` (the code under test) but from
+``VLLM_KV_HEADS``, a table written out by hand from vLLM's own sharding of the attention weights;
+tests/worker/test_tp_layouts.py holds the table to vLLM's real ``QKVParallelLinear`` weight loading, so it cannot
+drift."""
 
 from __future__ import annotations
 
@@ -6,24 +11,76 @@ import pytest
 
 from vllm_kvp2p.tp_mapping import HeadSlice, Layout, UnsupportedLayout, rank_plan
 
+# (total KV heads, TP size) -> the global KV heads of each TP rank, rank 0 first. Transcribed from vLLM 0.32.0 (the
+# same lines in 0.23.0), vllm/model_executor/layers/linear.py, QKVParallelLinear.__init__ (:1053-1058):
+#     if tp_size >= self.total_num_kv_heads:
+#         self.num_kv_heads = 1
+#         self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
+#     else:
+#         self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+#         self.num_kv_head_replicas = 1
+# QKVParallelLinear.weight_loader_v2 (:1190-1196) loads "k" and "v" with num_heads=self.num_kv_head_replicas and
+# shard_size = num_kv_heads * head_size, and vllm/model_executor/parameter.py, _ColumnvLLMParameter.load_qkv_weight
+# (:191-195):
+#     shard_id_int = self.tp_rank if shard_id == "q" else self.tp_rank // num_heads
+#     loaded_weight = loaded_weight.narrow(self.output_dim, shard_id_int * shard_size, shard_size)
+# i.e. rank r loads the checkpoint's K/V heads [(r // replicas) * num_kv_heads, ... + num_kv_heads).
+VLLM_KV_HEADS: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {
+    (8, 1): ((0, 1, 2, 3, 4, 5, 6, 7),),
+    (8, 2): ((0, 1, 2, 3), (4, 5, 6, 7)),
+    (8, 4): ((0, 1), (2, 3), (4, 5), (6, 7)),
+    (8, 8): ((0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)),
+    (8, 16): ((0,), (0,), (1,), (1,), (2,), (2,), (3,), (3,), (4,), (4,), (5,), (5,), (6,), (6,), (7,), (7,)),
+    (4, 1): ((0, 1, 2, 3),),
+    (4, 2): ((0, 1), (2, 3)),
+    (4, 4): ((0,), (1,), (2,), (3,)),
+    (4, 8): ((0,), (0,), (1,), (1,), (2,), (2,), (3,), (3,)),
+    (2, 1): ((0, 1),),
+    (2, 2): ((0,), (1,)),
+    (2, 4): ((0,), (0,), (1,), (1,)),
+    (2, 8): ((0,), (0,), (0,), (0,), (1,), (1,), (1,), (1,)),
+    (1, 1): ((0,),),
+    (1, 4): ((0,), (0,), (0,), (0,)),
+}
+
+
+def vllm_heads(total_kv_heads: int, tp: int, rank: int) -> tuple[int, ...]:
+    """What vLLM's rank ``rank`` of ``tp`` holds (the table, never the code under test)."""
+    return VLLM_KV_HEADS[(total_kv_heads, tp)][rank]
+
+
+@pytest.mark.parametrize(("total_kv_heads", "tp"), sorted(VLLM_KV_HEADS))
+def test_layout_holds_the_heads_vllm_gives_each_rank(total_kv_heads: int, tp: int) -> None:
+    layout = Layout(tp, total_kv_heads)
+    assert [tuple(layout.heads_of(r)) for r in range(tp)] == list(VLLM_KV_HEADS[(total_kv_heads, tp)])
+    assert layout.heads_per_rank == len(vllm_heads(total_kv_heads, tp, 0))
+    for head in range(total_kv_heads):
+        assert layout.holders_of(head) == [r for r in range(tp) if head in vllm_heads(total_kv_heads, tp, r)]
+
 
 def plans(p_tp: int, d_tp: int, heads: int = 8, mla: bool = False):
     p, d = Layout(p_tp, heads, mla), Layout(d_tp, heads, mla)
     return [rank_plan(p, d, r) for r in range(d_tp)]
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (8, 1), (1, 8), (16, 2), (2, 16)])
-def test_every_head_read_once_and_every_p_rank_released(p_tp: int, d_tp: int) -> None:
-    heads = 8
-    p, d = Layout(p_tp, heads), Layout(d_tp, heads)
-    all_plans = plans(p_tp, d_tp, heads)
+@pytest.mark.parametrize(("p_tp", "d_tp", "total"), [
+    (1, 1, 8), (2, 1, 8), (1, 2, 8), (4, 2, 8), (2, 4, 8), (8, 1, 8), (1, 8, 8), (16, 2, 8), (2, 16, 8),
+    (4, 2, 2), (8, 2, 2), (2, 8, 2), (8, 4, 4), (4, 8, 4), (4, 1, 1),
+])
+def test_every_head_read_once_and_every_p_rank_released(p_tp: int, d_tp: int, total: int) -> None:
+    all_plans = plans(p_tp, d_tp, total)
     for r, plan in enumerate(all_plans):
-        got = sorted(p.heads_of(s.p_rank)[s.remote_head + i] for s in plan.reads for i in range(s.num_heads))
-        assert got == list(d.heads_of(r))  # exactly this D rank's heads, from ranks that hold them
+        mine = vllm_heads(total, d_tp, r)
+        got = []
         for s in plan.reads:
-            assert list(range(s.local_head, s.local_head + s.num_heads)) == [
-                d.heads_of(r).index(p.heads_of(s.p_rank)[s.remote_head + i]) for i in range(s.num_heads)
-            ]
+            theirs = vllm_heads(total, p_tp, s.p_rank)
+            assert 0 <= s.remote_head and s.remote_head + s.num_heads <= len(theirs), (s, theirs)
+            assert 0 <= s.local_head and s.local_head + s.num_heads <= len(mine), (s, mine)
+            for i in range(s.num_heads):
+                # P rank's remote head i is the global head that goes to this D rank's local head i
+                assert theirs[s.remote_head + i] == mine[s.local_head + i], (r, s, theirs, mine)
+                got.append(theirs[s.remote_head + i])
+        assert sorted(got) == list(mine)  # exactly this D rank's heads, each once, from ranks that hold them
     # Every P rank is released by exactly as many D ranks as it is told to expect, and all D ranks agree.
     releases = {q: 0 for q in range(p_tp)}
     for plan in all_plans:

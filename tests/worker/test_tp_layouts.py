@@ -7,7 +7,12 @@ platform reads off that kernel at start-up, as a real worker does. The expectati
 pull, every pulled block on every D rank must equal, byte for byte, a block written by the kernel on D's side
 with the same tokens at the same positions (heads this rank holds), and blocks not asked for stay untouched;
 every P rank frees the request once all the D ranks told to expect have released it. MLA keeps its own layout
-(one latent row per token, vLLM's CPU MLA backend writes ``cache.view(-1, latent)[slot]``)."""
+(one latent row per token, vLLM's CPU MLA backend writes ``cache.view(-1, latent)[slot]``).
+
+Which KV heads each P and D rank holds (what P's kernel writes there, what D must end up with) is vLLM's own
+sharding of the attention weights (tests/worker/vllm_kv_heads.py: ``QKVParallelLinear``'s weight loader), never
+``Layout.heads_of``, the code under test; the last tests hold ``Layout`` and tests/unit/test_tp_mapping.py's
+hand-written table to it."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 
 from tests.support.ports import free_port_run
 from tests.support.vllm_cpu_kv import kv_shape, write_tokens
+from tests.worker.vllm_kv_heads import vllm_kv_heads, vllm_kv_heads_by_rank
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
@@ -100,17 +106,16 @@ class Truth:
         self.latent = torch.randn(positions, MLA_LATENT, generator=g)
 
     def write(self, cache: torch.Tensor, block_ids: list[int], block_size: int, positions: range,
-              first_position: int, heads: range) -> None:
+              first_position: int, heads: tuple[int, ...]) -> None:
         """Positions ``positions`` into ``cache``, whose block ``block_ids[i]`` holds positions from
-        ``first_position + i * block_size``."""
+        ``first_position + i * block_size``; ``heads``: the global heads of the cache's heads, in order."""
         slots = [block_ids[(pos - first_position) // block_size] * block_size + (pos - first_position) % block_size
                  for pos in positions]
         rows = list(positions)
         if self.mla:
             cache.view(-1, MLA_LATENT)[slots] = self.latent[rows].to(cache.dtype)
         else:
-            write_tokens(cache, slots, self.key[rows][:, heads.start:heads.stop],
-                         self.value[rows][:, heads.start:heads.stop])
+            write_tokens(cache, slots, self.key[rows][:, list(heads)], self.value[rows][:, list(heads)])
 
 
 def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int, d_bs: int, n_tokens: int,
@@ -122,27 +127,31 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
     the plan names D's first two blocks the wrong way round (a plan bug), the kernel comparison still expects
     them in order."""
     p_ranks, d_ranks = ranks
-    p_layout, d_layout = Layout(p_tp, heads, mla), Layout(d_tp, heads, mla)
     engine_id, req = "P-" + uuid.uuid4().hex[:6], "req-" + uuid.uuid4().hex[:6]
     total = first_token + n_tokens
     p_ids = list(range(37, 37 - -(-total // p_bs), -1))  # descending: no run merging on P's side
     truth = Truth(len(p_ids) * p_bs, heads, mla, seed=p_tp * 100 + d_tp)
 
-    def shape(layout: Layout, nb: int, bs: int) -> tuple[int, ...]:
-        return (nb, bs, MLA_LATENT) if mla else kv_shape(nb, bs, layout.heads_per_rank, HEAD_DIM, dtype)
+    def held(tp: int, rank: int) -> tuple[int, ...]:
+        """The global KV heads vLLM gives this rank (MLA: the one latent "head", on every rank)."""
+        return (0,) if mla else vllm_kv_heads(heads, tp, rank)
+
+    def shape(n_heads: int, nb: int, bs: int) -> tuple[int, ...]:
+        return (nb, bs, MLA_LATENT) if mla else kv_shape(nb, bs, n_heads, HEAD_DIM, dtype)
 
     p_num_blocks = [40 + 3 * r for r in range(p_tp)]  # ranks of one engine differ in block count
     holds = []
     base_port = free_port_run(p_tp)  # P rank r listens on base_port + r
     for r in range(p_tp):
-        tensors = p_ranks[r].carve([shape(p_layout, p_num_blocks[r], p_bs)] * LAYERS, dtype)
+        n_heads = len(held(p_tp, r))
+        tensors = p_ranks[r].carve([shape(n_heads, p_num_blocks[r], p_bs)] * LAYERS, dtype)
         for t in tensors:  # every position of every block P offers, as P's forward pass wrote them
             t.zero_()
-            truth.write(t, p_ids, p_bs, range(len(p_ids) * p_bs), 0, p_layout.heads_of(r))
-        planes, shapes = _geometry(tensors, p_num_blocks[r], p_bs, p_layout.heads_per_rank, mla, dtype)
+            truth.write(t, p_ids, p_bs, range(len(p_ids) * p_bs), 0, held(p_tp, r))
+        planes, shapes = _geometry(tensors, p_num_blocks[r], p_bs, n_heads, mla, dtype)
         reg = RankRegistration(engine_id, r, p_tp, p_ranks[r].engine.segment, planes, shapes,
                                [f"layer.{i}" for i in range(LAYERS)], p_bs, p_num_blocks[r], str(dtype)[6:],
-                               p_layout.heads_per_rank, heads, HEAD_DIM, use_mla=mla)
+                               n_heads, heads, HEAD_DIM, use_mla=mla)
         # P rank r listens on its own host at base_port + r, as P's worker r does in a real engine.
         holds.append(HoldService(reg, p_ranks[r].engine.host, base_port + r, hold_timeout=30, lease_timeout=30,
                                  digester=functools.partial(sums_of_units, KVMemory(tensors), planes)))
@@ -160,10 +169,10 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
         loops, d_tensors, d_ids_of, ends = [], [], [], []
         for d in range(d_tp):
             nb = 30 + d
-            tensors = d_ranks[d].carve([shape(d_layout, nb, d_bs)] * LAYERS, dtype)
+            tensors = d_ranks[d].carve([shape(len(held(d_tp, d)), nb, d_bs)] * LAYERS, dtype)
             for t in tensors:
                 t.view(torch.uint8).fill_(0x5A)
-            planes, shapes = _geometry(tensors, nb, d_bs, d_layout.heads_per_rank, mla, dtype)
+            planes, shapes = _geometry(tensors, nb, d_bs, len(held(d_tp, d)), mla, dtype)
             local = LocalKV(tuple(planes), tuple(shapes), d_bs, tuple(f"layer.{i}" for i in range(LAYERS)),
                             str(dtype)[6:], heads, mla)
             loop = PullLoop(d_ranks[d].engine, reader=f"D:{d}", tp_size=d_tp, tp_rank=d, local=local,
@@ -205,7 +214,7 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
                 want = torch.empty_like(t)
                 want.view(torch.uint8).fill_(0x5A)
                 truth.write(want, d_ids_of[d], d_bs, range(first_token, first_token + ends[d]), first_token,
-                            d_layout.heads_of(d))
+                            held(d_tp, d))
                 assert first_token + ends[d] >= total
                 assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), (d, layer)
         deadline = time.monotonic() + 10
@@ -225,8 +234,10 @@ def test_gqa_tp_pairs(ranks, p_tp: int, d_tp: int) -> None:
     run_layout(ranks, p_tp, d_tp, heads=4, mla=False, p_bs=16, d_bs=16, n_tokens=70)
 
 
-def test_replicated_kv_heads(ranks) -> None:
-    run_layout(ranks, 4, 2, heads=2, mla=False, p_bs=16, d_bs=16, n_tokens=40)  # P ranks hold 1 head, 2 replicas
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), [(4, 2, 2), (2, 4, 2), (4, 4, 2), (4, 1, 1), (1, 4, 1)])
+def test_replicated_kv_heads(ranks, p_tp: int, d_tp: int, heads: int) -> None:
+    """TP above the KV heads on P, on D or both: vLLM gives each rank one head, replicated tp / heads times."""
+    run_layout(ranks, p_tp, d_tp, heads=heads, mla=False, p_bs=16, d_bs=16, n_tokens=40)
 
 
 def test_mla_each_d_rank_reads_one_p_rank(ranks) -> None:
@@ -286,14 +297,12 @@ def test_a_far_rank_that_stops_answering_is_probed_itself(spread_ranks) -> None:
 
     p_ranks, d_ranks = spread_ranks
     engine_id, heads, bs, timeout = "P-" + uuid.uuid4().hex[:6], 4, 16, 3.0
-    layout = Layout(2, heads, False)
+    per_rank = len(vllm_kv_heads(heads, 2, 0))
     base_port = free_port_run(2)
-    tensors = p_ranks[0].carve([kv_shape(40, bs, layout.heads_per_rank, HEAD_DIM, torch.float32)] * LAYERS,
-                               torch.float32)
-    planes, shapes = _geometry(tensors, 40, bs, layout.heads_per_rank, False, torch.float32)
+    tensors = p_ranks[0].carve([kv_shape(40, bs, per_rank, HEAD_DIM, torch.float32)] * LAYERS, torch.float32)
+    planes, shapes = _geometry(tensors, 40, bs, per_rank, False, torch.float32)
     reg = RankRegistration(engine_id, 0, 2, p_ranks[0].engine.segment, planes, shapes,
-                           [f"layer.{i}" for i in range(LAYERS)], bs, 40, "float32", layout.heads_per_rank,
-                           heads, HEAD_DIM)
+                           [f"layer.{i}" for i in range(LAYERS)], bs, 40, "float32", per_rank, heads, HEAD_DIM)
     entry = HoldService(reg, p_ranks[0].engine.host, base_port, hold_timeout=30, lease_timeout=30)
     entry.rank_table = table_of(engine_id, "", {0: (p_ranks[0].engine.host, base_port),
                                                 1: (p_ranks[1].engine.host, base_port + 1)})
@@ -334,3 +343,29 @@ def test_a_far_rank_that_stops_answering_is_probed_itself(spread_ranks) -> None:
         entry.close()
         frozen.close(0)
         ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The head references themselves: vLLM's real sharding against the code under test and against the hand-written
+# table of tests/unit/test_tp_mapping.py (a pure module: it cannot ask vLLM, so it is checked here).
+# ---------------------------------------------------------------------------------------------------------------
+
+HEAD_CASES = [(k, tp) for k in (1, 2, 4, 8, 16) for tp in (1, 2, 4, 8, 16, 32) if k % tp == 0 or tp % k == 0]
+
+
+@pytest.mark.parametrize(("total_kv_heads", "tp"), HEAD_CASES)
+def test_layout_gives_each_rank_the_heads_vllm_loads_into_it(total_kv_heads: int, tp: int) -> None:
+    vllm = vllm_kv_heads_by_rank(total_kv_heads, tp)
+    layout = Layout(tp, total_kv_heads)
+    assert tuple(tuple(layout.heads_of(r)) for r in range(tp)) == vllm
+    assert all(layout.heads_per_rank == len(h) for h in vllm)
+    for head in range(total_kv_heads):
+        assert layout.holders_of(head) == [r for r in range(tp) if head in vllm[r]], head
+
+
+def test_the_unit_tests_head_table_is_vllms_sharding() -> None:
+    from tests.unit.test_tp_mapping import VLLM_KV_HEADS
+
+    assert any(tp > k for k, tp in VLLM_KV_HEADS)  # the replicated case is in the table
+    for (total_kv_heads, tp), table in VLLM_KV_HEADS.items():
+        assert table == vllm_kv_heads_by_rank(total_kv_heads, tp), (total_kv_heads, tp)

@@ -9,9 +9,9 @@
 #
 # --no-isolation: the build uses this environment's torch (and setuptools, pybind11, cmake), never a torch pip
 # would fetch into an isolated build environment. The only packages it installs are build tools missing here
-# (build, pybind11, cmake, ninja); it installs no torch and changes no vLLM package. `python -m build` makes the
-# sdist first and builds the wheel from it, so the wheel build also proves the sdist complete.
-# Then: pip install dist/vllm_kvp2p-*.whl (README.md, "Adding it to an existing vLLM environment").
+# (build, wheel, pybind11, cmake, ninja); it installs no torch and changes no vLLM package. `python -m build`
+# makes the sdist first and builds the wheel from it, so the wheel build also proves the sdist complete.
+# Then: pip install dist/vllm_kvp2p-*.whl (README.md, "Into an existing vLLM environment"; docs/deploy-ascend.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,9 +20,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "[build_wheel] $PY cannot import torch: run this in the vLLM environment the wheel is for" >&2
   exit 1
 fi
-if ! "$PY" -c "import build, pybind11, cmake, ninja" 2>/dev/null; then
-  echo "[build_wheel] installing the missing build tools (build pybind11 cmake ninja) with $PY -m pip"
-  "$PY" -m pip install -q build "pybind11>=2.10" "cmake>=3.22" ninja
+# pyproject.toml's build requirements (python -m build --no-isolation checks them) and ninja; pip keeps an installed
+# one that meets the pin. setuptools is not installed here: one older than >=64 fails in python -m build.
+if ! "$PY" -c "import build, pybind11, cmake, ninja, wheel" 2>/dev/null; then
+  echo "[build_wheel] installing the missing build tools (build wheel pybind11 cmake ninja) with $PY -m pip"
+  "$PY" -m pip install -q build wheel "pybind11>=2.10" "cmake>=3.22" ninja
 fi
 "$PY" -c "import torch; print('[build_wheel] building against torch', torch.__version__, 'at', torch.__path__[0])"
 

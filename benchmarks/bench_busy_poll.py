@@ -58,7 +58,9 @@ def _tree_cpu_seconds(pid: int) -> float:
 
 
 def run(model: Path, busy_poll: float, tokens: int, reps: int, log_dir: Path) -> dict:
-    server = VllmServer(model, free_port(), cpus="0", log_path=log_dir / f"busy_poll_{busy_poll}.log",
+    # single_process=False: the busy poll is the Worker process's shared-memory reader, absent in one process.
+    server = VllmServer(model, free_port(), cpus="0", single_process=False,
+                        log_path=log_dir / f"busy_poll_{busy_poll}.log",
                         extra_args=("--kv-transfer-config", kv_transfer_config("kv_both")),
                         env={"VLLM_KVP2P_WORKER_BUSY_POLL": str(busy_poll), "MC_LOG_LEVEL": "ERROR"})
     server.start()

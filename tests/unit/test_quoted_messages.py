@@ -1,0 +1,290 @@
+"""Every error message the docs quote from the code, rendered by the code itself (issue 38 item 4): each case calls
+the code with the input that triggers the message and checks it against the doc's quote, so a quoted message
+cannot drift from what an operator sees.
+
+A quote is matched as a template: ``<name>`` (a placeholder) and ``...`` / ``[...]`` / ``(...)`` (text left out)
+stand for any text; everything else must be the code's text, exactly (white space, which the docs wrap, counts as
+one space). The quote must also still be in the doc, so editing either side alone fails here.
+
+Where the docs quote a log line whose prefix a caller adds (``pull of <id> failed (<kind>): ``), ``after`` names
+the part of the quote the rendered message must match; the whole quote must still be in the doc.
+
+Pure: no vLLM, no Mooncake (Mooncake's import is made to fail here, as on a machine without the wheel).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.prompts import prompt, remote
+from vllm_kvp2p import compat
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.kv_groups import single_full_group
+from vllm_kvp2p.lifecycle.admission import Decoder, Refused, judge
+from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Text a quote leaves out or names by a placeholder.
+_GAP = re.compile(r"<[^<>\n]+>|\[\.\.\.\]|\(\.\.\.\)|\.\.\.")
+
+
+def _spaces(text: str) -> str:
+    return " ".join(text.split())
+
+
+def quote_pattern(quote: str) -> re.Pattern[str]:
+    """The quote as a regular expression: placeholders and gaps match any text, the rest itself."""
+    pieces, last = [], 0
+    for gap in _GAP.finditer(quote):
+        pieces.append(re.escape(quote[last:gap.start()]))
+        literal = gap.group()
+        pieces.append(r"\[.*?\]" if literal == "[...]" else r"\(.*?\)" if literal == "(...)" else ".*?")
+        last = gap.end()
+    pieces.append(re.escape(quote[last:]))
+    return re.compile("".join(pieces), re.DOTALL)
+
+
+def raised(call: Callable[[], object], kind: type[BaseException] = ConfigError) -> str:
+    with pytest.raises(kind) as exc:
+        call()
+    return str(exc.value)
+
+
+def config(**extra: object) -> KVP2PConfig:
+    return KVP2PConfig.from_sources(extra, env={})
+
+
+def config_with_env(**env: str) -> KVP2PConfig:
+    return KVP2PConfig.from_sources({}, env=env)
+
+
+# ---------------------------------------------------------------- messages that need a set-up
+
+
+def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0) -> str:
+    """D's verdict on ``params`` for the prompt they were issued for (``prompt(60)``): the refusal's reason."""
+    auth = Authenticator(b"0123456789abcdef0123", clock_skew=30) if secret else None
+    decoder = Decoder(16, single_full_group(16), peer_ports=config().peer_port_ranges())
+    verdict = judge(params, prompt(60), decoder,
+                    authenticate=(lambda r: auth.params_problem(r, now_ms)) if auth is not None else None)
+    assert isinstance(verdict, Refused), verdict
+    return verdict.reason
+
+
+def _issued(port: int = 20000, **fields: object) -> dict:
+    return remote([[10, 11, 12, 13]], 60, 16, host="10.0.0.7", port=port, **fields).to_params()
+
+
+def _signed_then_expired() -> str:
+    auth = Authenticator(b"0123456789abcdef0123", clock_skew=30)
+    params = auth.sign_params(remote([[10, 11, 12, 13]], 60, 16, host="10.0.0.7", port=20000), 1_000).to_params()
+    return _refusal(params, secret=True, now_ms=1_000 + 42_500)
+
+
+def _bind_refused() -> str:
+    from vllm_kvp2p.side_channel import SideChannelError, SideChannelServer
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        # hold_service.py passes this setting text for each rank
+        return raised(lambda: SideChannelServer("127.0.0.1", port, lambda request: None,  # type: ignore[arg-type]
+                                                setting="VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank 1"),
+                      SideChannelError)
+    finally:
+        taken.close()
+
+
+def _mooncake_missing(monkeypatch: pytest.MonkeyPatch) -> str:
+    from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as without the wheel: `import` fails
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine sets MC_* variables before importing
+    return raised(lambda: MooncakeEngine("127.0.0.1", "tcp"), TransferEngineError)
+
+
+def _proxy_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    from vllm_kvp2p.proxy.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--prefill-kv-events", "tcp://127.0.0.1:9",
+              "--tokenizer", str(tmp_path / "missing")])  # a tokenizer is loaded for prefix routing
+    return capsys.readouterr().err.strip().splitlines()[-1]  # argparse: usage, then "PROG: error: MESSAGE"
+
+
+def _proxy_without_transformers(monkeypatch: pytest.MonkeyPatch) -> str:
+    from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer, TokenizerSettingsError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    return raised(lambda: LocalTokenizer("/nonexistent"), TokenizerSettingsError)
+
+
+@dataclass(frozen=True)
+class Quoted:
+    doc: str
+    quote: str
+    render: Callable[..., str]  # takes the pytest fixtures it names (monkeypatch, tmp_path, capsys) as keywords
+    after: str = ""  # the message is the quote's text after this prefix (a caller's log prefix)
+    part: bool = False  # the doc quotes a part of the message (its text around the quote is not the doc's)
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}: {self.quote[:60]}"
+
+
+LEASE_50 = (
+    "lease_timeout=50 with transfer_timeout=35 and side_channel_timeout=5: the lease must exceed 1.5 x (the longest "
+    "action of a pull + 1 s) = 56.25 s. D renews each lease a third of the way through, between actions; the "
+    "longest, 36.5 s, is a Mooncake read (transfer_timeout, + 1 s for its retry after an immediate failure, + 0.5 s "
+    "waiting for the read slot) or a side-channel call (side_channel_timeout), and the renewal after it may take "
+    "1 s to reach P. ..."
+)
+
+CASES = [
+    # --- config.py: the lease rule
+    Quoted("deploy-ascend.md", LEASE_50, lambda: raised(lambda: config(transfer_timeout=35, lease_timeout=50))),
+    Quoted("troubleshooting.md",
+           "lease_timeout=<l> with transfer_timeout=<t> and side_channel_timeout=<s>: the lease must exceed 1.5 x "
+           "(the longest action of a pull + 1 s) = <x> s. ...",
+           lambda: raised(lambda: config(lease_timeout=10))),
+    # --- config.py: side-channel ports
+    Quoted("troubleshooting.md",
+           "side_channel_port=<p> lies in Mooncake's random RPC port range 15000..17000; allowed values are "
+           "1024..14999 or 17001..65000",
+           lambda: raised(lambda: config(side_channel_port=15500))),
+    Quoted("troubleshooting.md", "side_channel_port=<p>: allowed values are 1024..65000",
+           lambda: raised(lambda: config(side_channel_port=80))),
+    Quoted("troubleshooting.md",
+           "side_channel_port=<p>: DP rank <d> rank <r> (of <n> per engine: pp_size x tp_size) would listen on "
+           "<port>, inside Mooncake's RPC range 15000..17000; choose a base that keeps base + dp_size * pp_size * "
+           "tp_size - 1 outside it",
+           lambda: raised(lambda: config(side_channel_port=14990).side_channel_port_for(1, 8, 2))),
+    Quoted("deploy-ascend.md",
+           "side_channel_port=14996: DP rank 0 rank 4 (of 8 per engine: pp_size x tp_size) would listen on 15000, "
+           "inside Mooncake's RPC range 15000..17000; choose a base that keeps base + dp_size * pp_size * tp_size - 1 "
+           "outside it",
+           lambda: raised(lambda: config(side_channel_port=14996).side_channel_port_for(0, 8, 4))),
+    # --- admission.py: params whose ranks leave peer_ports (the default setting)
+    Quoted("deploy-ascend.md",
+           "remote_port 14996 with 8 rank(s): ports 14996..15003 not inside the allowed side-channel ports "
+           "(1024..14999, 17001..65535; the peer_ports setting)",
+           lambda: _refusal(_issued(port=14996, tp_size=8)), part=True),  # after "invalid kv_transfer_params: "
+    Quoted("troubleshooting.md",
+           "pull of <id> failed (invalid_params): invalid kv_transfer_params: remote_port 14996 with 8 rank(s): "
+           "ports 14996..15003 not inside the allowed side-channel ports (1024..14999, 17001..65535; the peer_ports "
+           "setting)",
+           lambda: _refusal(_issued(port=14996, tp_size=8)), after="pull of <id> failed (invalid_params): "),
+    # --- config.py: the secret and unknown keys
+    Quoted("troubleshooting.md", "both VLLM_KVP2P_SECRET and secret_file=<f> are set: set one",
+           lambda: raised(lambda: config_with_env(VLLM_KVP2P_SECRET="x" * 20, VLLM_KVP2P_SECRET_FILE="/s"))),
+    Quoted("troubleshooting.md", "secret_file=<f>: cannot read it: <OS error>",
+           lambda: raised(lambda: config_with_env(VLLM_KVP2P_SECRET_FILE="/nonexistent/secret"))),
+    Quoted("troubleshooting.md", "VLLM_KVP2P_SECRET: the secret has <n> bytes, at least 16 are needed (...)",
+           lambda: raised(lambda: config_with_env(VLLM_KVP2P_SECRET="short"))),
+    Quoted("troubleshooting.md",
+           "kv_connector_extra_config must not hold the secret (command lines are logged): set VLLM_KVP2P_SECRET or "
+           "put it in a file named by secret_file / VLLM_KVP2P_SECRET_FILE",
+           lambda: raised(lambda: config(secret="x" * 20))),
+    Quoted("troubleshooting.md", "unknown kv_connector_extra_config key(s) ['decode', 'prefill']; allowed keys: [...]",
+           lambda: raised(lambda: config(prefill={}, decode={}))),
+    Quoted("deploy-ascend.md", "unknown kv_connector_extra_config key(s) ['decode', 'prefill']; allowed keys: [...]",
+           lambda: raised(lambda: config(prefill={}, decode={}))),
+    # --- compat.py: vLLM and vllm-ascend versions
+    Quoted("compatibility.md",
+           "MooncakeP2PConnector supports vLLM >= 0.23 (tested: 0.23.0 and 0.32.0); vLLM 0.22.1 is installed. "
+           "Install a supported vLLM (docs/compatibility.md), or set VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM=1 to start "
+           "anyway.",
+           lambda: compat.support_verdict("0.22.1").message),
+    Quoted("troubleshooting.md",
+           "MooncakeP2PConnector supports vLLM >= 0.23 (tested: <the tested releases>); vLLM <v> is installed. "
+           "Install a supported vLLM (docs/compatibility.md), or set VLLM_KVP2P_ALLOW_UNSUPPORTED_VLLM=1 to start "
+           "anyway.",
+           lambda: compat.support_verdict("0.20.2").message),
+    Quoted("troubleshooting.md",
+           "vLLM <v> is untested with MooncakeP2PConnector (tested: <the tested releases>; release-checked: <the "
+           "release-checked releases>); starting anyway. Report problems with the vLLM version.",
+           lambda: compat.support_verdict("0.99.0").message),
+    Quoted("troubleshooting.md",
+           "vllm-ascend <a> is built for vLLM <e> but vLLM <v> is installed; install the pair from "
+           "docs/compatibility.md",
+           lambda: compat.ascend_pairing_problem("0.32.0", "0.23.0.post1") or ""),
+    Quoted("troubleshooting.md",
+           "vllm-ascend <a> is not in the tested matrix (vllm-ascend 0.23.0.post1 + vLLM 0.23.0, ...); see "
+           "docs/compatibility.md",
+           lambda: compat.ascend_pairing_problem("0.23.0", "9.9.9") or ""),
+    # --- the side channel's bind, Mooncake's import
+    Quoted("troubleshooting.md",
+           "cannot listen on side-channel port <port> at <host> (set by VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank "
+           "<r>): <ZMQ error>. Another instance or rank uses it: give each instance on a host its own "
+           "VLLM_KVP2P_SIDE_CHANNEL_PORT (kv_connector_extra_config side_channel_port), leaving dp_size * pp_size * "
+           "tp_size ports between them.",
+           _bind_refused),
+    Quoted("troubleshooting.md",
+           "cannot import mooncake.engine (<error>); install the Mooncake wheel for this platform (pip install -e "
+           "'.[cpu]' or '.[ascend]' from this package's checkout) and Debian's libibverbs1",
+           _mooncake_missing),
+    # --- D's verdict with a shared secret (auth.py through admission.py)
+    Quoted("troubleshooting.md",
+           "... failed (unauthenticated): unauthenticated kv_transfer_params: kv_transfer_params are not signed (this "
+           "D has a shared secret)",
+           lambda: _refusal(_issued(), secret=True), after="... failed (unauthenticated): "),
+    Quoted("troubleshooting.md",
+           "... failed (unauthenticated): unauthenticated kv_transfer_params: kv_transfer_params signature is "
+           "malformed (not 64 hex digits)",
+           lambda: _refusal(_issued(mac="é" * 64), secret=True), after="... failed (unauthenticated): "),
+    Quoted("troubleshooting.md",
+           "... failed (unauthenticated): unauthenticated kv_transfer_params: kv_transfer_params expired <s> s ago "
+           "(clock_skew allows <c> s)",
+           _signed_then_expired, after="... failed (unauthenticated): "),
+    Quoted("security.md", "unauthenticated kv_transfer_params: ...", lambda: _refusal(_issued(), secret=True)),
+    # --- the TP mapping (pull_loop.py adds "cannot pair layouts: ")
+    Quoted("troubleshooting.md",
+           "pull of <id> failed (incompatible): cannot pair layouts: tensor_parallel_size=<n> and <k> KV heads: one "
+           "must divide the other",
+           lambda: raised(lambda: Layout(3, 2), UnsupportedLayout),
+           after="pull of <id> failed (incompatible): cannot pair layouts: "),
+    # --- the proxy
+    Quoted("troubleshooting.md", "vllm-kvp2p-proxy: error: --tokenizer ...: cannot load a tokenizer there",
+           _proxy_tokenizer, part=True),
+    Quoted("troubleshooting.md", "needs the 'transformers' package", _proxy_without_transformers, part=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_doc_quotes_what_the_code_says(case: Quoted, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _spaces((ROOT / ("docs" if case.doc != "README.md" else "") / case.doc).read_text())
+    quote = _spaces(case.quote)
+    assert quote in doc, f"docs/{case.doc} no longer quotes {quote!r}: update the quote here with the doc"
+    fixtures = {"monkeypatch": monkeypatch, "tmp_path": tmp_path, "capsys": capsys}
+    wanted = case.render.__code__.co_varnames[:case.render.__code__.co_argcount]
+    message = _spaces(case.render(**{name: fixtures[name] for name in wanted}))
+    assert message, "the code produced no message"
+    template = quote
+    if case.after:
+        assert quote.startswith(case.after), (quote, case.after)
+        template = quote[len(case.after):]
+    pattern = quote_pattern(template)
+    assert (pattern.search(message) if case.part else pattern.fullmatch(message)), (
+        f"docs/{case.doc} quotes {template!r}, the code says {message!r}")
+
+
+def test_a_quote_matches_as_a_template_only() -> None:
+    """The matcher itself: placeholders and gaps match any text, a changed word does not match."""
+    pattern = quote_pattern("side_channel_port=<p>: allowed values are 1024..65000")
+    assert pattern.fullmatch("side_channel_port=80: allowed values are 1024..65000")
+    assert not pattern.fullmatch("side_channel_port=80: allowed values are 1024..65535")
+    assert quote_pattern("keys: [...]").fullmatch("keys: ['a', 'b']")
+    assert not quote_pattern("needed (...)").fullmatch("needed, see the docs")

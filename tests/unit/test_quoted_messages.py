@@ -28,14 +28,16 @@ from tests.support.prompts import prompt, remote
 from vllm_kvp2p import compat
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
-from vllm_kvp2p.kv_groups import single_full_group
+from vllm_kvp2p.kv_groups import FULL, SLIDING, KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.admission import Decoder, Refused, judge
+from vllm_kvp2p.lifecycle.pull_actions import LocalKV
+from vllm_kvp2p.lifecycle.stages import coverage_problem
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Text a quote leaves out or names by a placeholder.
-_GAP = re.compile(r"<[^<>\n]+>|\[\.\.\.\]|\(\.\.\.\)|\.\.\.")
+_GAP = re.compile(r"<[^<>\n]+>|\[\.\.\.\]|\(\.\.\.\)|\.\.\.|…")
 
 
 def _spaces(text: str) -> str:
@@ -71,11 +73,15 @@ def config_with_env(**env: str) -> KVP2PConfig:
 # ---------------------------------------------------------------- messages that need a set-up
 
 
-def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0) -> str:
-    """D's verdict on ``params`` for the prompt they were issued for (``prompt(60)``): the refusal's reason."""
+HYBRID = (KVGroup(FULL, 16), KVGroup(SLIDING, 16, 40))  # D of a model with sliding-window and full layers
+
+
+def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0, seed: int = 0,
+             groups: tuple[KVGroup, ...] = single_full_group(16)) -> str:
+    """D's verdict on ``params`` for the prompt ``prompt(60, seed)`` (seed 0: the one they were issued for)."""
     auth = Authenticator(b"0123456789abcdef0123", clock_skew=30) if secret else None
-    decoder = Decoder(16, single_full_group(16), peer_ports=config().peer_port_ranges())
-    verdict = judge(params, prompt(60), decoder,
+    decoder = Decoder(16, groups, peer_ports=config().peer_port_ranges())
+    verdict = judge(params, prompt(60, seed), decoder,
                     authenticate=(lambda r: auth.params_problem(r, now_ms)) if auth is not None else None)
     assert isinstance(verdict, Refused), verdict
     return verdict.reason
@@ -83,6 +89,16 @@ def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0) -> str:
 
 def _issued(port: int = 20000, **fields: object) -> dict:
     return remote([[10, 11, 12, 13]], 60, 16, host="10.0.0.7", port=port, **fields).to_params()
+
+
+def _layers_read_twice() -> str:
+    d = LocalKV((), (), 16, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), "float32", 2)
+    return coverage_problem(d, [(0, d.layer_names), (0, d.layer_names[1:])])  # P's stages both gave layer 1
+
+
+def _layers_missing() -> str:
+    d = LocalKV((), (), 16, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), "float32", 2)
+    return coverage_problem(d, [(0, d.layer_names[:1])])
 
 
 def _signed_then_expired() -> str:
@@ -249,6 +265,20 @@ CASES = [
            "(clock_skew allows <c> s)",
            _signed_then_expired, after="... failed (unauthenticated): "),
     Quoted("security.md", "unauthenticated kv_transfer_params: ...", lambda: _refusal(_issued(), secret=True)),
+    # --- D's verdict on what the params offer (admission.py)
+    Quoted("security.md", "remote_prompt_digest does not match ...", lambda: _refusal(_issued(), seed=1), part=True),
+    Quoted("troubleshooting.md", "KV-cache groups differ: P sent <n>, D has <m> (...)",
+           lambda: _refusal(_issued(), groups=HYBRID), part=True),  # after "invalid kv_transfer_params: "
+    Quoted("models.md", "KV-cache groups differ: P sent 1, D has 2", lambda: _refusal(_issued(), groups=HYBRID),
+           part=True),
+    Quoted("troubleshooting.md", "hybrid models need one block size: P uses <a>, D <b>",
+           lambda: _refusal(remote([[1, 2], [2]], 60, 32, host="10.0.0.7", port=20000).to_params(), groups=HYBRID),
+           part=True),
+    # --- P's pipeline stages against D's layers (stages.py; pull.py adds "P's layers do not fill D's: ")
+    Quoted("troubleshooting.md", "P's stages hold layers <names> more than once", _layers_read_twice, part=True),
+    Quoted("troubleshooting.md",
+           "P's layers do not fill D's: no P stage holds D's layers <names> (P TP rank <t>; ...)", _layers_missing,
+           after="P's layers do not fill D's: "),
     # --- the TP mapping (pull_loop.py adds "cannot pair layouts: ")
     Quoted("troubleshooting.md",
            "pull of <id> failed (incompatible): cannot pair layouts: tensor_parallel_size=<n> and <k> KV heads: one "

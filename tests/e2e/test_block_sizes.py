@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import (
+    BLOCK_SIZE,
     DTYPE_BYTES,
     HEAD_SIZE,
     KV_HEADS,
@@ -85,26 +86,32 @@ def pulled(producer: VllmServer, decoder: VllmServer, prompt: list[int], **extra
     return post(decoder.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
 
 
-def check(producer: VllmServer, decoder: VllmServer, prompt: list[int], first_loaded: int = 0) -> None:
+def check(producer: VllmServer, decoder: VllmServer, prompt: list[int], d_block: int, first_loaded: int = 0) -> None:
+    """``d_block``: D's block size; ``first_loaded``: D's local hit (whole blocks of D's)."""
     out = pulled(producer, decoder, prompt)
     single = own_answer(producer, prompt)
     assert max_logprob_gap(out, single) <= LOGPROB_TOL, (tokens_and_logprobs(out), tokens_and_logprobs(single))
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert report["ok"], report
-    # D read at least every token it loads and at most what its own blocks hold from there
-    assert (len(prompt) - first_loaded) * BYTES_PER_TOKEN <= report["bytes"], report
+    # D read at least every token it loads and at most what its own blocks hold from there: its blocks from the
+    # first loaded token to the end of the prompt's last block (D's block size, not P's: a bigger P block's tail
+    # past the prompt, or a block read twice, is more than D's blocks hold)
+    assert first_loaded % d_block == 0, (first_loaded, d_block)
+    d_blocks = -(-len(prompt) // d_block) - first_loaded // d_block
+    assert (len(prompt) - first_loaded) * BYTES_PER_TOKEN <= report["bytes"] <= d_blocks * d_block * BYTES_PER_TOKEN, \
+        (report, d_blocks, d_block)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_p32_to_d64_answers_equal_p(cluster: PDCluster, big_engines, length: int) -> None:
     _, d64 = big_engines
-    check(cluster.prefill, d64, prompt_ids(length, seed=6400 + length))
+    check(cluster.prefill, d64, prompt_ids(length, seed=6400 + length), BIG)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_p64_to_d32_answers_equal_p(cluster: PDCluster, big_engines, length: int) -> None:
     p64, _ = big_engines
-    check(p64, cluster.decode, prompt_ids(length, seed=3200 + length))
+    check(p64, cluster.decode, prompt_ids(length, seed=3200 + length), BLOCK_SIZE)
 
 
 def test_d_local_hit_ending_inside_a_bigger_p_block(cluster: PDCluster, big_engines) -> None:
@@ -114,7 +121,7 @@ def test_d_local_hit_ending_inside_a_bigger_p_block(cluster: PDCluster, big_engi
     prompt = prompt_ids(230, seed=777)
     post(cluster.decode.url + "/v1/completions", {"model": "tiny", "prompt": prompt[:40], "max_tokens": 1})
     before = tokens_by_source(cluster)
-    check(p64, cluster.decode, prompt, first_loaded=32)
+    check(p64, cluster.decode, prompt, BLOCK_SIZE, first_loaded=32)
     after = tokens_by_source(cluster)
     assert after["local_cache_hit"] - before["local_cache_hit"] == 32
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == len(prompt) - 32
@@ -135,7 +142,7 @@ def test_a_cut_block_list_on_the_sliced_path_is_refused(cluster: PDCluster, big_
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert not report["ok"] and "need exactly 7" in report["reason"] and report["bytes"] == 0, report
     assert max_logprob_gap(out, own_answer(cluster.prefill, prompt)) <= LOGPROB_TOL
-    check(cluster.prefill, d64, prompt_ids(200, seed=6464 + 2))  # a normal P/D request afterwards
+    check(cluster.prefill, d64, prompt_ids(200, seed=6464 + 2), BIG)  # a normal P/D request afterwards
 
 
 def test_corrupted_transfer_between_block_sizes_changes_the_answer(cluster: PDCluster, big_engines) -> None:

@@ -1,7 +1,10 @@
 """What the running vLLM version changes, seen on the real P/D engines of this package's cluster.
 
-Runs under every vLLM the suite runs on (scripts/test.sh runs it on 0.32 and on 0.23). The expectation for each
-version is written here from vLLM's own code, not taken from vllm_kvp2p.compat, so a wrong seam fails the test.
+Runs under every vLLM the suite runs on (scripts/test.sh runs it on 0.32 and on 0.23; scripts/check_vllm_releases.sh
+on the others). Nothing here asks vllm_kvp2p.compat (not even to parse the version), so a wrong seam or a wrong
+verdict there fails the test: the allocation route each release series has is written here from that release's
+source, and the label the start-up line must give is a literal for CI's two releases and, for any other, what the
+release record says (docs/vllm_releases.json, written by scripts/check_vllm_releases.sh).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from pathlib import Path
 
 import vllm
 
-from vllm_kvp2p.compat import parse_version
 from vllm_kvp2p.testing.cluster import PDCluster
 
 # Which route gives the KV cache the connector's arena, per release series (read in each release's source):
@@ -25,6 +27,18 @@ EXPECTED_ROUTE = {
     **{(0, minor): "wrapped gpu_model_runner.allocate_kv_cache" for minor in (29, 30)},
     **{(0, minor): "wrapped GPUModelRunner._allocate_kv_cache_tensors" for minor in range(23, 29)},
 }
+
+
+#: The start-up line's label on the two releases CI runs the whole suite on at every commit (docs/compatibility.md,
+#: "Policy": tested = CI's 0.23.0 and 0.32.0).
+CI_RELEASES = {(0, 23, 0): "tested", (0, 32, 0): "tested"}
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of ``0.32.0``, ``0.32.0+cpu``, ``0.23.1rc1.dev2``: this test's own reading."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    assert match, text
+    return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
 def _route_lines(log: str) -> list[str]:
@@ -51,8 +65,7 @@ def test_the_log_says_which_vllm_runs_and_warns_only_when_untested(cluster: PDCl
     version = parse_version(vllm.__version__)
     records = json.loads((Path(__file__).resolve().parents[2] / "docs" / "vllm_releases.json").read_text())
     checked = {parse_version(v) for v, r in records.items() if r["exit"] == 0 and r["failed"] == 0}
-    label = ("tested" if version in {(0, 23, 0), (0, 32, 0)} else
-             "release-checked at a recorded commit" if version in checked else "untested")
+    label = CI_RELEASES.get(version) or ("release-checked at a recorded commit" if version in checked else "untested")
     assert ("untested with MooncakeP2PConnector" in log) == (label == "untested")
     assert f"MooncakeP2PConnector on vLLM {vllm.__version__} ({label}" in log
     assert "Traceback" not in log

@@ -1,9 +1,12 @@
 """Real engines with the shared secret: P/D answers equal the baseline; params a client changed (host, block list,
-expiry) or made up are refused before D contacts anything (a listener on the named address sees no connection);
-a raw ZMQ client without the secret gets no registration and cannot release a live hold, which D then pulls."""
+expiry), signed params past their expiry, or made-up params are refused before D contacts anything: every one of
+them names a listener of the test's as P's side channel, and that listener sees no connection (while the same
+params, signed and unchanged, do make D connect to it); a raw ZMQ client without the secret gets no registration
+and cannot release a live hold, which D then pulls."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import time
 
@@ -19,8 +22,10 @@ from tests.e2e.helpers import (
     prompt_ids,
     wait_kv_idle,
 )
+from tests.e2e_auth.conftest import SECRET
 from vllm_kvp2p import protocol
-from vllm_kvp2p.protocol import ErrorReply, GetRegistration, Release
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.protocol import ErrorReply, GetRegistration, Release, RemotePrefill
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 BOUND_S = 10.0
@@ -61,20 +66,57 @@ def listener() -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("tamper", ["host", "block-list", "expiry", "made-up"])
+def signed_at(params: dict, port: int, expires_ms: int | None = None) -> dict:
+    """P's params moved to the side channel at ``port`` (on P's host) and signed there with the deployment's secret,
+    as P would have issued them had it listened at ``port``; ``expires_ms``: another expiry, signed too."""
+    auth = Authenticator(SECRET.encode(), clock_skew=0)
+    issued = RemotePrefill.from_params(params)
+    assert issued is not None and auth.sign_params(issued, issued.expires_ms).mac == params["mac"]  # P's signer
+    moved = {**params, "remote_port": port, "mac": ""}
+    remote = RemotePrefill.from_params(moved)
+    assert remote is not None
+    expiry = params["expires_ms"] if expires_ms is None else expires_ms
+    return {**moved, "expires_ms": expiry, "mac": auth.sign_params(remote, expiry).mac}
+
+
+def test_signed_params_naming_the_listener_make_d_connect_to_it(secured_cluster: Cluster) -> None:
+    """The control of the next test: valid params that name the listener make D connect there, so a listener that
+    sees nothing shows D contacted nothing. (The listener speaks no ZMQ: D's pull fails and D recomputes.)"""
+    prompt = prompt_ids(96, seed=99)
+    ear = listener()
+    ear.settimeout(BOUND_S)
+    params = signed_at(issued_params(secured_cluster, prompt), ear.getsockname()[1])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(decode_with, secured_cluster, prompt, params)
+        conn, _ = ear.accept()  # D's side channel connects here
+        conn.close()
+        out, _ = decoded.result(timeout=120)
+    ear.close()
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and not report["reason"].startswith("unauthenticated"), report
+    assert max_logprob_gap(out, baseline(secured_cluster, prompt)) <= LOGPROB_TOL  # D recomputed
+
+
+@pytest.mark.parametrize("tamper", ["host", "block-list", "expiry", "expired", "made-up"])
 def test_changed_or_made_up_params_are_refused_before_any_contact(secured_cluster: Cluster, tamper: str) -> None:
+    """Every case's params name the listener as P's side channel (the control above shows D would connect)."""
     prompt = prompt_ids(96, seed=100 + len(tamper))
     params = issued_params(secured_cluster, prompt)
     ear = listener()
     port = ear.getsockname()[1]
     if tamper == "host":  # the real hold, sent to the client's own side channel
         params = {**params, "remote_port": port}
-    elif tamper == "block-list":
+    elif tamper == "block-list":  # valid params for a P at the listener, then the block list changed
+        params = signed_at(params, port)
         params = {**params, "remote_block_ids": [list(reversed(params["remote_block_ids"][0]))]}
-    elif tamper == "expiry":
+    elif tamper == "expiry":  # ... then the expiry pushed an hour on
+        params = signed_at(params, port)
         params = {**params, "expires_ms": params["expires_ms"] + 3_600_000}
+    elif tamper == "expired":  # unchanged and signed, but expired an hour ago (far past D's clock_skew)
+        params = signed_at(params, port, expires_ms=int(time.time() * 1000) - 3_600_000)
     else:
         params = {k: v for k, v in params.items() if k not in ("mac", "expires_ms")} | {"remote_port": port}
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == port  # where the listener is
     out, took = decode_with(secured_cluster, prompt, params)
     with pytest.raises(TimeoutError):
         ear.accept()

@@ -54,6 +54,16 @@ NEWEST_VLLM_ONLY = {
     "e2e_soak": "cancellations and a P restart under load: the connector's lifecycle; vLLM's aborts and finished "
                 "requests run on 0.23 in tests/scheduler (its real Scheduler) and tests/e2e (leaving clients, aborts, "
                 "a killed and a frozen P)",
+    "e2e_dp": "P at DP 2 on one host: its vLLM seam, each engine core's index from vLLM's parallel config "
+              "(compat.data_parallel_index, vLLM resets data_parallel_rank), runs on 0.23 in e2e_multinode's "
+              "DP 2 over two nodes",
+    "e2e_auth": "the shared secret is the connector's own HMAC; its vLLM seam, the prompt token ids the params are "
+                "bound to (read from vLLM's request), runs on 0.23 in e2e_multinode (the secret on every node, every "
+                "pull signed and checked) and tests/scheduler (prompt-bound params on vLLM's real Scheduler)",
+    "e2e_state": "vLLM 0.23 serves the tiny Qwen3-Next on no CPU tried, with or without a KV connector (its CPU GDN "
+                 "kernel: 'RuntimeError: Input tensor dtype mismatch'; this package's probe proved it in every run "
+                 "until it was listed here, three engine starts each time); linear-attention groups run on 0.23 in "
+                 "tests/scheduler on vLLM's own specs",
 }
 
 MODE = os.environ.get("KVP2P_TESTS", "")

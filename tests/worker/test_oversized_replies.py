@@ -77,10 +77,13 @@ def _pull_from(d_side: tuple[MooncakeEngine, object], p: RawP) -> tuple[PullResu
 
 
 def test_a_reply_over_the_frame_bound_fails_the_pull_at_once_with_nothing_built(d_side) -> None:
-    frame = claim_reply_frame(3_300_000)  # 16 MiB: 3.3 M planes
-    assert MAX_REPLY_BYTES < len(frame) < 64 << 20  # accepted by the frame bound before
+    # 1.7 MiB, 350 k planes: over three times the bound, and what it cost decoded scales with the frame (a 16 MiB one,
+    # still inside the former 64 MiB frame bound, built ~0.2 GiB of planes on the pull thread of the process that
+    # holds the model; measured once, 14 s under tracemalloc, so not on every run).
+    frame = claim_reply_frame(350_000)
+    assert 3 * MAX_REPLY_BYTES < len(frame) < 64 << 20  # accepted by the frame bound before
     before, _ = _peak(lambda: _old_replies.decode(frame))
-    assert before > 150, before  # ~0.2 GiB of planes, on the pull thread of the process that holds the model
+    assert before > 10, before  # MiB, against the 4 MiB at most below
     result, took, peak = pull_answered(d_side, frame)
     assert result.outcome is Outcome.FAILED, result
     assert "closed the connection before its reply arrived" in result.reason, result.reason

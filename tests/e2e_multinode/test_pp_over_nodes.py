@@ -23,6 +23,8 @@ from tests.e2e.helpers import (
     through_the_proxy,
     wait_kv_idle,
 )
+from tests.e2e_multinode.conftest import SECRET
+from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.consumer import TEST_CORRUPT_KEY
 from vllm_kvp2p.protocol import GetRegistration, Registration
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
@@ -42,7 +44,7 @@ def test_each_stage_serves_its_own_layers_from_its_own_node(pp_over_nodes: Multi
     p0, p1, port = d.net["p0"].address, d.net["p1"].address, d.side_channel_port
     head_log = d.head.log_path.read_text(errors="replace")
     assert f"rank 0 at {p0}:{port}, rank 1 at {p1}:{port + 1}" in head_log, d.head.log_path
-    client = SideChannelClient(timeout=10)
+    client = SideChannelClient(timeout=10, auth=Authenticator(SECRET.encode(), clock_skew=30))  # every P node has it
     try:
         replies = [client.request(host, port + rank, GetRegistration(rank)) for rank, host in enumerate((p0, p1))]
     finally:

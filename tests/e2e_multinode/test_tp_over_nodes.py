@@ -1,7 +1,8 @@
-"""P at TP 2 with one rank per node (two namespaces), D at TP 1 on a third: D learns where P's rank 1 listens from
-P's rank table (served by the entry point the params name), pulls both halves of every block, and its answers
-equal a single instance's. The negative control: under the former single-host assumption D would contact rank 1
-at remote_host:remote_port + 1, where nothing listens in this layout."""
+"""P at TP 2 with one rank per node (two namespaces), D at TP 2 on a third (the package's D): D learns where P's
+rank 1 listens from P's rank table (served by the entry point the params name), each D rank pulls its half of every
+block from the P rank of its index (one per P node), and D's answers equal a single instance's. The negative
+control: under the former single-host assumption D would contact rank 1 at remote_host:remote_port + 1, where
+nothing listens in this layout."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_output_equals_single_instance_with_p_ranks_on_two_nodes(tp_over_nodes: 
     prompt = prompt_ids(length, seed=700 + length)
     report, moved = through_the_proxy(d, prompt)
     blocks = math.ceil(length / BLOCK_SIZE)
-    # D (TP 1) holds every head; each P rank holds half of them: all bytes of every block, from both nodes.
+    # Each D rank reads the heads of its P rank, one on each node: all bytes of every block, from both nodes.
     assert report["ok"] and report["blocks"] == blocks and report["bytes"] == blocks * BYTES_PER_BLOCK, report
     assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.ci_budget import budget_of
+
 
 @dataclass(frozen=True)
 class EngineStart:
@@ -106,13 +108,25 @@ class EngineStartLedger:
             by_package[start.package].append(start)
         write = terminalreporter.write_line
         terminalreporter.section("where the time goes (tests/support/engine_starts.py)")
-        write(f"{'package':<14} {'tests':>5} {'seconds':>7} {'servers':>7} {'cores':>5} {'workers':>7} "
+        write(f"{'package':<14} {'tests':>5} {'seconds':>7} {'budget':>6} {'servers':>7} {'cores':>5} {'workers':>7} "
               f"{'s to ready':>10}")
         rows = [(p, self.tests[p], self.seconds[p], by_package.get(p, [])) for p in self.seconds]
         rows.append(("total", sum(self.tests.values()), sum(self.seconds.values()), self.starts))
+        over = []
+        import vllm  # this plugin runs only where vLLM is importable (not in the pure run)
+
+        vllm_version = vllm.__version__
         for package, tests, seconds, starts in sorted(rows[:-1], key=lambda r: -r[2]) + rows[-1:]:
-            write(f"{package:<14} {tests:>5} {seconds:>7.0f} {len(starts):>7} {sum(s.engine_cores for s in starts):>5} "
-                  f"{sum(s.workers for s in starts):>7} {sum(s.seconds for s in starts):>10.0f}")
+            budget = budget_of(package, vllm_version) if package != "total" else None
+            mark = ""
+            if budget is not None and seconds > budget:
+                mark = "  OVER"
+                over.append(package)
+            write(f"{package:<14} {tests:>5} {seconds:>7.0f} {budget if budget is not None else '':>6} "
+                  f"{len(starts):>7} {sum(s.engine_cores for s in starts):>5} {sum(s.workers for s in starts):>7} "
+                  f"{sum(s.seconds for s in starts):>10.0f}{mark}")
+        if over:
+            write(f"over their CI budget (tests/support/ci_budget.py, docs/testing.md): {', '.join(over)}")
         report = os.environ.get("KVP2P_ENGINE_REPORT")
         if report:
             with open(report, "w") as out:

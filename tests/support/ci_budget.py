@@ -1,0 +1,61 @@
+"""CI's time budget: the rule that keeps the whole run (`bash .ci/run`: both vLLM versions) inside 30 minutes on
+a warm machine of CI's kind (2 cores). docs/testing.md states it; tests/unit/test_ci_budget.py checks that the
+budgets add up; the table every pytest run prints (tests/support/engine_starts.py) sets each package's seconds
+beside its budget and marks the packages over it. Not a timed assert: a run on a loaded machine does not fail,
+but the run before an issue is resolved reports the table, and a package over its budget is made cheaper (share
+its engines, cut what the older vLLM runs) or takes budget from another package, never from the target."""
+
+from __future__ import annotations
+
+#: The whole run, warm (the vLLM 0.23 environment and pip's caches present), in seconds.
+TARGET_S = 1800
+
+#: What is not a test package: making .venv in a fresh clone (scripts/setup.sh) and checking the 0.23 environment
+#: and building its tree copy (scripts/setup_vllm_release.sh), and the pure run (tests/unit without vLLM and
+#: Mooncake, on vLLM 0.32 only).
+SETUP_S = {"0.32": 70, "0.23": 30}
+PURE_S = 130
+
+#: Seconds per package on each vLLM run, (0.32, 0.23): set-up, calls and tear-down of its tests, its engine
+#: start-ups included. A package the older vLLM skips (tests/conftest.py, NEWEST_VLLM_ONLY) has 0 there; one that
+#: skips itself on a vLLM (e2e_mla, e2e_spec on 0.23) a few seconds.
+PACKAGE_S: dict[str, tuple[int, int]] = {
+    "e2e": (175, 165),
+    "e2e_multinode": (170, 160),
+    "e2e_netns": (125, 0),
+    "e2e_routing": (60, 60),
+    "e2e_mla": (55, 5),
+    "e2e_soak": (55, 0),
+    "e2e_spec": (50, 5),
+    "e2e_tp": (50, 45),
+    "e2e_hybrid": (45, 45),
+    "e2e_dp": (45, 0),
+    "e2e_auth": (40, 0),
+    "e2e_state": (35, 0),
+    "unit": (80, 75),
+    "worker": (75, 75),
+    "scheduler": (20, 30),
+}
+VERSIONS = ("0.32", "0.23")
+
+
+def is_engineless(package: str) -> bool:
+    """tests/conftest.py's KVP2P_PART split: the e2e packages start engines, the rest do not."""
+    return not package.startswith("e2e")
+
+
+def planned_seconds() -> int:
+    """The run the budgets plan, in scripts/test.sh's phases: set-up; 0.32's pure run and engineless packages
+    beside 0.23's engineless packages (one core each); 0.32's e2e packages; 0.23's e2e packages."""
+    def total(version: int, engineless: bool) -> int:
+        return sum(both[version] for name, both in PACKAGE_S.items() if is_engineless(name) == engineless)
+
+    side_by_side = max(PURE_S + total(0, True), total(1, True))
+    return sum(SETUP_S.values()) + side_by_side + total(0, False) + total(1, False)
+
+
+def budget_of(package: str, vllm_version: str) -> int | None:
+    """A package's budget on the running vLLM ("0.32.0", "0.23.0"...), None for a package or vLLM without one."""
+    both = PACKAGE_S.get(package)
+    minor = ".".join(vllm_version.split(".")[:2])
+    return None if both is None or minor not in VERSIONS else both[VERSIONS.index(minor)]

@@ -21,15 +21,15 @@ PURE_S = 130
 #: skips itself on a vLLM (e2e_mla, e2e_spec on 0.23) a few seconds.
 PACKAGE_S: dict[str, tuple[int, int]] = {
     "e2e": (175, 165),
-    "e2e_multinode": (170, 160),
+    "e2e_multinode": (180, 165),
     "e2e_netns": (125, 0),
     "e2e_routing": (60, 60),
     "e2e_mla": (55, 5),
     "e2e_soak": (55, 0),
     "e2e_spec": (50, 5),
-    "e2e_tp": (50, 45),
+    "e2e_tp": (45, 45),
     "e2e_hybrid": (45, 45),
-    "e2e_dp": (45, 0),
+    "e2e_dp": (40, 0),
     "e2e_auth": (40, 0),
     "e2e_state": (35, 0),
     "unit": (80, 75),

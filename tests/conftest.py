@@ -18,10 +18,6 @@ THE RULE (keep it true when you add a test module):
 a pure module that needs either fails there with a message naming this list. ``KVP2P_TESTS=contract`` runs all
 the rest (what the newest vLLM runs); ``KVP2P_TESTS=older`` the same less ``NEWEST_VLLM_ONLY`` (what vLLM 0.23
 runs). Unset: everything, as a developer runs pytest.
-
-``KVP2P_PART=engineless`` keeps, of that selection, the packages that start no ``vllm serve`` (tests/unit,
-tests/scheduler, tests/worker: one process, one core), ``KVP2P_PART=engines`` the ``e2e*`` packages: scripts/test.sh
-runs one vLLM's engineless part beside the other's on CI's two cores, and the engine parts one at a time.
 """
 
 from __future__ import annotations
@@ -71,7 +67,6 @@ NEWEST_VLLM_ONLY = {
 }
 
 MODE = os.environ.get("KVP2P_TESTS", "")
-PART = os.environ.get("KVP2P_PART", "")
 TESTS = Path(__file__).parent
 UNIT = TESTS / "unit"
 
@@ -97,11 +92,8 @@ def is_pure(path: Path) -> bool:
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
     if MODE in ("contract", "older") and is_pure(collection_path):
         return True  # the same code whatever the vLLM: the newest vLLM's run covers it
-    if collection_path.parent == TESTS and collection_path.is_dir():
-        if MODE == "older" and collection_path.name in NEWEST_VLLM_ONLY:
-            return True
-        if PART and (PART == "engines") != collection_path.name.startswith("e2e"):
-            return True
+    if MODE == "older" and collection_path.parent == TESTS and collection_path.name in NEWEST_VLLM_ONLY:
+        return True
     if MODE == "pure":
         if collection_path.is_dir():
             inside = UNIT == collection_path or UNIT in collection_path.parents or collection_path in UNIT.parents
@@ -114,8 +106,6 @@ def pytest_ignore_collect(collection_path: Path) -> bool | None:
 def pytest_configure(config: pytest.Config) -> None:
     if MODE not in ("", "pure", "contract", "older"):
         raise pytest.UsageError(f"KVP2P_TESTS={MODE!r}: 'pure', 'contract', 'older' or unset")
-    if PART not in ("", "engines", "engineless"):
-        raise pytest.UsageError(f"KVP2P_PART={PART!r}: 'engines', 'engineless' or unset")
     if MODE != "pure":  # every `vllm serve` this run starts, counted and timed (tests/support/engine_starts.py)
         from tests.support.engine_starts import EngineStartLedger
 

@@ -16,6 +16,9 @@ _BUDGET = json.loads((Path(__file__).resolve().parents[2] / "docs" / "ci_budget.
 
 #: The whole run, warm (the vLLM 0.23 environment and pip's caches present), in seconds.
 TARGET_S: int = _BUDGET["target"]
+#: How far the plan may still exceed the target: a debt, written down so that it can only shrink (lowering it is
+#: the way to close it; raising it needs the same argument as raising the target).
+OVER_TARGET_S: int = _BUDGET["over_target"]
 #: What is not a test package: making .venv in a fresh clone (scripts/setup.sh) and checking the 0.23 environment
 #: and building its tree copy (scripts/setup_vllm_release.sh), and the pure run (tests/unit without vLLM and
 #: Mooncake, on vLLM 0.32 only).
@@ -27,19 +30,10 @@ PACKAGE_S: dict[str, tuple[int, int]] = {name: (both[0], both[1]) for name, both
 VERSIONS = ("0.32", "0.23")
 
 
-def is_engineless(package: str) -> bool:
-    """tests/conftest.py's KVP2P_PART split: the e2e packages start engines, the rest do not."""
-    return not package.startswith("e2e")
-
-
 def planned_seconds() -> int:
-    """The run the budgets plan, in scripts/test.sh's phases: set-up; 0.32's pure run and engineless packages
-    beside 0.23's engineless packages (one core each); 0.32's e2e packages; 0.23's e2e packages."""
-    def total(version: int, engineless: bool) -> int:
-        return sum(both[version] for name, both in PACKAGE_S.items() if is_engineless(name) == engineless)
-
-    side_by_side = max(PURE_S + total(0, True), total(1, True))
-    return sum(SETUP_S.values()) + side_by_side + total(0, False) + total(1, False)
+    """The run the budgets plan (scripts/test.sh, one run after the other): set-up, the pure run, every package on
+    vLLM 0.32, every package on vLLM 0.23."""
+    return sum(SETUP_S.values()) + PURE_S + sum(sum(both) for both in PACKAGE_S.values())
 
 
 def budget_of(package: str, vllm_version: str) -> int | None:

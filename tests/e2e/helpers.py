@@ -69,6 +69,30 @@ def wait_kv_idle(server: VllmServer, timeout: float = 30.0) -> float:
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+def prefill_then_decode(cluster: Cluster, prompt: list[int], **extra: object) -> dict[str, Any]:
+    """P prefills (one token, ``do_remote_decode``), then D finishes the request with P's params plus ``extra`` (the
+    test hooks' keys), without the proxy: D's answer, its pull report under PULL_REPORT_KEY."""
+    p = post(cluster.prefill.url + "/v1/completions",
+             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    return post(cluster.decode.url + "/v1/completions",
+                completion_body(prompt, kv_transfer_params={**p["kv_transfer_params"], **extra}))
+
+
+def assert_in_flight_change_caught(cluster: Cluster, prompt: list[int]) -> None:
+    """D with ``integrity=full`` and the test hooks: one byte changed in what D read, before its check (the
+    ``"in_flight"`` hook, as a faulty link would), fails the load as ``corrupted``, says so in D's log, and D
+    recomputes the single instance's answer."""
+    from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+
+    out = prefill_then_decode(cluster, prompt, kvp2p_test_corrupt="in_flight")
+    report = out["kv_transfer_params"][PULL_REPORT_KEY]
+    assert not report["ok"] and report["failure"] == "corrupted", report
+    assert "differ from P's" in report["reason"], report
+    assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL  # recomputed: the right answer
+    log = cluster.decode.log_path.read_text(errors="replace")
+    assert "failed (corrupted)" in log and "TEST HOOK: changed the byte" in log
+
+
 def tokens_by_source(cluster: Cluster) -> dict[str, float]:
     """D's ``vllm:prompt_tokens_by_source_total`` per source: where the prompt tokens of its requests came from."""
     return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in PROMPT_SOURCES}

@@ -14,10 +14,9 @@ from tests.e2e.helpers import (
     LOGPROB_TOL,
     NUM_LAYERS,
     baseline,
-    completion_body,
     max_logprob_gap,
     metric,
-    post,
+    prefill_then_decode,
     prompt_ids,
     wait_kv_idle,
 )
@@ -27,17 +26,10 @@ from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 pytestmark = pytest.mark.e2e
 
 
-def pd_with(cluster: Cluster, prompt: list[int], **extra: object) -> dict:
-    p = post(cluster.prefill.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                                        "kv_transfer_params": {"do_remote_decode": True}})
-    return post(cluster.decode.url + "/v1/completions",
-                completion_body(prompt, kv_transfer_params={**p["kv_transfer_params"], **extra}))
-
-
 def test_a_good_pull_is_verified_and_counted(cluster: Cluster) -> None:
     before = metric(cluster.decode, "vllm:kvp2p_pulls_verified_total")
     prompt = prompt_ids(3 * BLOCK_SIZE + 5, seed=2301)
-    out = pd_with(cluster, prompt)
+    out = prefill_then_decode(cluster, prompt)
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert report["ok"] and report["verified"] == math.ceil(len(prompt) / BLOCK_SIZE) * NUM_LAYERS, report
     assert max_logprob_gap(out, baseline(cluster, prompt)) <= LOGPROB_TOL
@@ -47,7 +39,7 @@ def test_a_good_pull_is_verified_and_counted(cluster: Cluster) -> None:
 def test_a_byte_changed_in_flight_fails_the_load_and_d_recomputes_the_right_answer(cluster: Cluster) -> None:
     corrupted_before = metric(cluster.decode, "vllm:kvp2p_pull_failures_total", reason="corrupted")
     prompt = prompt_ids(4 * BLOCK_SIZE + 9, seed=2302)
-    out = pd_with(cluster, prompt, kvp2p_test_corrupt="in_flight")
+    out = prefill_then_decode(cluster, prompt, kvp2p_test_corrupt="in_flight")
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert not report["ok"] and report["failure"] == "corrupted", report
     assert "differ from P's" in report["reason"] and "P block" in report["reason"], report

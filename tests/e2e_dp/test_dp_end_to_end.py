@@ -14,10 +14,12 @@ from tests.e2e.helpers import (
     BYTES_PER_BLOCK,
     LOGPROB_TOL,
     NUM_LAYERS,
+    assert_in_flight_change_caught,
     baseline,
     completion_body,
     max_logprob_gap,
     post,
+    prefill_then_decode,
     prompt_ids,
     tokens_and_logprobs,
     tokens_by_source,
@@ -70,19 +72,11 @@ def test_dp2_prefill_dp1_decode_equals_single_instance(dp_cluster: DPCluster, le
     assert moved["local_compute"] == 0 and moved["external_kv_transfer"] == length, moved
 
 
-def _prefill_then_decode(dp_cluster: DPCluster, prompt: list[int], **extra: object) -> dict:
-    """P prefills (on whichever DP engine vLLM picks), D finishes with ``extra`` added to P's params."""
-    p = post(dp_cluster.prefill.url + "/v1/completions",
-             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    return post(dp_cluster.decode.url + "/v1/completions",
-                completion_body(prompt, kv_transfer_params={**p["kv_transfer_params"], **extra}))
-
-
 def test_a_corrupted_transfer_changes_the_answer(dp_cluster: DPCluster) -> None:
     """D's answer depends on what it pulled from the DP engine: overwriting it (test hook, after the integrity
     check, so the pull itself reports ok) moves it far from the single instance's."""
     prompt = prompt_ids(5 * BLOCK_SIZE + 7, seed=3901)
-    corrupted = _prefill_then_decode(dp_cluster, prompt, kvp2p_test_corrupt=True)
+    corrupted = prefill_then_decode(dp_cluster, prompt, kvp2p_test_corrupt=True)
     assert corrupted["kv_transfer_params"][PULL_REPORT_KEY]["ok"], corrupted["kv_transfer_params"]
     assert max_logprob_gap(corrupted, baseline(dp_cluster, prompt)) > 100 * LOGPROB_TOL
 
@@ -92,15 +86,8 @@ def test_a_byte_changed_in_flight_is_caught_and_d_recomputes_the_right_answer(dp
     hook, as a faulty link would), fails the load as ``corrupted``; D recomputes and answers as the single
     instance does."""
     failed_before = dp_cluster.decode.metric("vllm:kvp2p_pull_failures_total", reason="corrupted")
-    prompt = prompt_ids(4 * BLOCK_SIZE + 9, seed=3902)
-    out = _prefill_then_decode(dp_cluster, prompt, kvp2p_test_corrupt="in_flight")
-    report = out["kv_transfer_params"][PULL_REPORT_KEY]
-    assert not report["ok"] and report["failure"] == "corrupted", report
-    assert "differ from P's" in report["reason"], report
-    assert max_logprob_gap(out, baseline(dp_cluster, prompt)) <= LOGPROB_TOL  # recomputed: the right answer
+    assert_in_flight_change_caught(dp_cluster, prompt_ids(4 * BLOCK_SIZE + 9, seed=3902))
     assert dp_cluster.decode.metric("vllm:kvp2p_pull_failures_total", reason="corrupted") == failed_before + 1
-    log = dp_cluster.decode.log_path.read_text(errors="replace")
-    assert "failed (corrupted)" in log and "TEST HOOK: changed the byte" in log
 
 
 def test_no_dp_engine_holds_blocks_afterwards(dp_cluster: DPCluster) -> None:

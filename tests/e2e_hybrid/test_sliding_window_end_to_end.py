@@ -20,6 +20,7 @@ from tests.e2e.helpers import (
     completion_body,
     max_logprob_gap,
     post,
+    prefill_then_decode,
     prompt_ids,
     wait_kv_idle,
 )
@@ -40,13 +41,6 @@ def expected_bytes(num_tokens: int) -> tuple[int, int]:
     return windowed, len(LAYER_TYPES) * blocks * LAYER_BLOCK_BYTES
 
 
-def pd(cluster: PDCluster, prompt: list[int], **extra: object) -> dict:
-    p = post(cluster.prefill.url + "/v1/completions",
-             {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    params = {**p["kv_transfer_params"], **extra}
-    return post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
-
-
 def test_both_engines_run_the_hybrid_allocator_with_two_groups(hybrid_cluster: PDCluster) -> None:
     for server in (hybrid_cluster.prefill, hybrid_cluster.decode):
         log = server.log_path.read_text()
@@ -59,7 +53,7 @@ def test_both_engines_run_the_hybrid_allocator_with_two_groups(hybrid_cluster: P
 def test_pd_answer_equals_single_instance_and_moves_only_the_window(hybrid_cluster: PDCluster,
                                                                     num_tokens: int) -> None:
     prompt = prompt_ids(num_tokens, seed=9000 + num_tokens)
-    out = pd(hybrid_cluster, prompt)
+    out = prefill_then_decode(hybrid_cluster, prompt)
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     windowed, unwindowed = expected_bytes(num_tokens)
     assert pull["ok"], pull
@@ -72,14 +66,14 @@ def test_pd_answer_equals_single_instance_and_moves_only_the_window(hybrid_clust
 
 def test_a_corrupted_transfer_changes_the_answer(hybrid_cluster: PDCluster) -> None:
     prompt = prompt_ids(150, seed=4343)
-    corrupted = pd(hybrid_cluster, prompt, kvp2p_test_corrupt=True)
+    corrupted = prefill_then_decode(hybrid_cluster, prompt, kvp2p_test_corrupt=True)
     assert corrupted["kv_transfer_params"][PULL_REPORT_KEY]["ok"]
     assert max_logprob_gap(corrupted, baseline(hybrid_cluster, prompt)) > 100 * LOGPROB_TOL
 
 
 def test_a_byte_changed_in_flight_is_caught_and_d_recomputes_the_right_answer(hybrid_cluster: PDCluster) -> None:
     prompt = prompt_ids(150, seed=4344)
-    out = pd(hybrid_cluster, prompt, kvp2p_test_corrupt="in_flight")
+    out = prefill_then_decode(hybrid_cluster, prompt, kvp2p_test_corrupt="in_flight")
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert not pull["ok"] and pull["failure"] == "corrupted", pull
     assert max_logprob_gap(out, baseline(hybrid_cluster, prompt)) <= LOGPROB_TOL
@@ -99,7 +93,7 @@ def test_d_prefix_cache_hit_pulls_only_the_rest(hybrid_cluster: PDCluster) -> No
     prompt = prompt_ids(420, seed=5151)
     post(hybrid_cluster.decode.url + "/v1/completions",
          {"model": "tiny", "prompt": prompt[:256] + prompt_ids(20, seed=1), "max_tokens": 1})
-    out = pd(hybrid_cluster, prompt)
+    out = prefill_then_decode(hybrid_cluster, prompt)
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     assert pull["ok"], pull
     full_blocks = math.ceil(420 / BLOCK_SIZE) - 256 // BLOCK_SIZE

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
-from tests.e2e.helpers import BLOCK_SIZE, LOGPROB_TOL, baseline, max_logprob_gap, prompt_ids
+from tests.e2e.helpers import BLOCK_SIZE, LOGPROB_TOL, baseline, max_logprob_gap, prefill_then_decode, prompt_ids
 from tests.e2e_hybrid.conftest import LAYER_TYPES
-from tests.e2e_hybrid.test_sliding_window_end_to_end import LAYER_BLOCK_BYTES, expected_bytes, pd
+from tests.e2e_hybrid.test_sliding_window_end_to_end import LAYER_BLOCK_BYTES, expected_bytes
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 
@@ -19,7 +19,7 @@ def test_one_group_moves_every_block_and_answers_equal_the_single_instance(no_hm
     assert "in 1 KV-cache group(s) (full attention)" in log
     num_tokens = 420
     prompt = prompt_ids(num_tokens, seed=9000 + num_tokens)
-    out = pd(no_hma_cluster, prompt)
+    out = prefill_then_decode(no_hma_cluster, prompt)
     pull = out["kv_transfer_params"][PULL_REPORT_KEY]
     windowed, unwindowed = expected_bytes(num_tokens)
     assert pull["ok"] and pull["bytes"] == unwindowed == len(LAYER_TYPES) * math.ceil(num_tokens / BLOCK_SIZE) * \

@@ -9,10 +9,10 @@ THE RULE (keep it true when you add a test module):
   a test, is named in ``NEEDS_VLLM_OR_MOONCAKE`` below. It runs on every vLLM.
 * Every other module of tests/unit is *pure*.
 
-* A package named in ``NEWEST_VLLM_ONLY`` below runs on the newest vLLM only: what it adds is the connector's own
-  code on paths where the two vLLMs do not differ, and each vLLM seam it touches is exercised on the older vLLM by
-  the package its entry names. Adding a package there needs that argument written down; CI's time rule
-  (docs/testing.md) is why the list exists.
+* A package (or a module, ``package/test_x.py``) named in ``NEWEST_VLLM_ONLY`` below runs on the newest vLLM only:
+  what it adds is the connector's own code on paths where the two vLLMs do not differ, and each vLLM seam it touches
+  is exercised on the older vLLM by the package its entry names. Adding one there needs that argument written
+  down; CI's time rule (docs/testing.md) is why the list exists.
 
 ``KVP2P_TESTS=pure`` runs only the pure modules, with vLLM and Mooncake made unimportable: that run is the check,
 a pure module that needs either fails there with a message naming this list. ``KVP2P_TESTS=contract`` runs all
@@ -52,8 +52,8 @@ NEWEST_VLLM_ONLY = {
                  "connector's lifecycle and timers, the same code on every vLLM; vLLM's host detection on a host of "
                  "its own (compat.node_ip, no host settings) runs on 0.23 in e2e_multinode, on three hosts",
     "e2e_soak": "cancellations and a P restart under load: the connector's lifecycle; vLLM's aborts and finished "
-                "requests run on 0.23 in tests/scheduler (its real Scheduler) and tests/e2e (leaving clients, aborts, "
-                "a killed and a frozen P)",
+                "requests run on 0.23 in tests/scheduler (its real Scheduler) and tests/e2e (leaving clients, aborts; "
+                "failed loads recomputed in test_hostile_params.py)",
     "e2e_dp": "P at DP 2 on one host: its vLLM seam, each engine core's index from vLLM's parallel config "
               "(compat.data_parallel_index, vLLM resets data_parallel_rank), runs on 0.23 in e2e_multinode's "
               "DP 2 over two nodes",
@@ -64,6 +64,19 @@ NEWEST_VLLM_ONLY = {
                  "kernel: 'RuntimeError: Input tensor dtype mismatch'; this package's probe proved it in every run "
                  "until it was listed here, three engine starts each time); linear-attention groups run on 0.23 in "
                  "tests/scheduler on vLLM's own specs",
+    # Modules (a path under tests/): the rest of their package runs on 0.23.
+    "e2e/test_prefill_faults_end_to_end.py": "a P whose hold expires, that freezes, that is killed: the connector's "
+                 "timers, probes and lifecycle, the same code on every vLLM (tests/worker runs them on 0.23 against "
+                 "real Mooncake engines); D's side in vLLM, a failed load recomputed, runs on 0.23 in "
+                 "e2e/test_hostile_params.py",
+    "e2e_multinode/test_tp_over_nodes.py": "P's TP ranks on two nodes: the rank table is gathered over vLLM's TP "
+                 "group (compat.gather_over_engine), which runs on 0.23 in e2e_tp (P at TP 2 on one host); what the "
+                 "second node adds is each rank's own address (compat.node_ip) and the secret on every node, which "
+                 "run on 0.23 in test_dp_over_nodes.py, on three hosts; gloo across nodes is vLLM's, not a seam",
+    "e2e_multinode/test_pp_over_nodes.py": "P's pipeline stages on two nodes: a stage registers only its own layers "
+                 "and the rank table is gathered over vLLM's PP x TP groups, both of which run on 0.23 in e2e_tp "
+                 "(D at PP 2 on one host; a P stage meets the same vLLM calls as a D stage); the second node adds "
+                 "what test_dp_over_nodes.py runs on 0.23",
 }
 
 MODE = os.environ.get("KVP2P_TESTS", "")
@@ -89,10 +102,17 @@ def is_pure(path: Path) -> bool:
             and path.stem not in NEEDS_VLLM_OR_MOONCAKE)
 
 
+def is_newest_only(path: Path) -> bool:
+    """A package of tests/ (``e2e_netns``) or a module (``e2e_multinode/test_tp_over_nodes.py``) NEWEST_VLLM_ONLY
+    names."""
+    return path.parent.parent == TESTS and path.parent.name + "/" + path.name in NEWEST_VLLM_ONLY or (
+        path.parent == TESTS and path.name in NEWEST_VLLM_ONLY)
+
+
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
     if MODE in ("contract", "older") and is_pure(collection_path):
         return True  # the same code whatever the vLLM: the newest vLLM's run covers it
-    if MODE == "older" and collection_path.parent == TESTS and collection_path.name in NEWEST_VLLM_ONLY:
+    if MODE == "older" and is_newest_only(collection_path):
         return True
     if MODE == "pure":
         if collection_path.is_dir():

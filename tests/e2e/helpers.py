@@ -98,6 +98,18 @@ def tokens_by_source(cluster: Cluster) -> dict[str, float]:
     return {s: metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source=s) for s in PROMPT_SOURCES}
 
 
+def moved_since(cluster: Cluster, before: dict[str, float]) -> dict[str, float]:
+    """How many prompt tokens D computed, found cached and loaded since ``before`` (a ``tokens_by_source``)."""
+    return {s: v - before[s] for s, v in tokens_by_source(cluster).items()}
+
+
+def prefill_on(server: VllmServer, prompt: list[int]) -> dict[str, Any]:
+    """P's half alone: ``server`` prefills ``prompt`` for a remote decode and returns the params D needs."""
+    out = post(server.url + "/v1/completions",
+               {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    return out["kv_transfer_params"]
+
+
 def through_the_proxy(cluster: Cluster, prompt: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
     """One request through the proxy, its answer checked against the single instance (P itself): D's pull report
     and how many of the prompt's tokens D computed and loaded for it."""
@@ -107,5 +119,5 @@ def through_the_proxy(cluster: Cluster, prompt: list[int]) -> tuple[dict[str, An
     pd = post(cluster.proxy_url + "/v1/completions", completion_body(prompt))
     single = baseline(cluster, prompt)
     assert max_logprob_gap(pd, single) <= LOGPROB_TOL, (tokens_and_logprobs(pd), tokens_and_logprobs(single))
-    moved = {s: v - before[s] for s, v in tokens_by_source(cluster).items()}
+    moved = moved_since(cluster, before)
     return pd["kv_transfer_params"][PULL_REPORT_KEY], moved

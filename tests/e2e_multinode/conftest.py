@@ -6,7 +6,8 @@ full, the test hooks on, the shared secret set, as on every P node. Each module 
 it (TP 2, DP 2, PP 2 over the two P nodes), so D reads from a P of the same TP, from data-parallel cores of TP 1,
 and from pipeline stages (the mixed layout); P TP 2 -> D TP 1 runs on one host in tests/e2e_tp's sessions and
 tests/e2e_dp. Each module's prompts are its own (seeds), so D's prefix cache never serves one module's prompt from
-another's pull.
+another's pull. vLLM 0.23 runs the DP module only (tests/conftest.py, NEWEST_VLLM_ONLY: what the other two add there
+runs on 0.23 in tests/e2e_tp and in the DP module).
 
 P is started the way a user starts a multi-node vLLM engine: the head node runs ``vllm serve ... --nnodes 2
 --node-rank 0 --master-addr HEAD`` (the API server and rank 0), the other node the same with ``--node-rank 1

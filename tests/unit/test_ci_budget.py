@@ -20,7 +20,9 @@ def test_every_package_has_a_budget_on_each_vllm_and_every_budget_a_package() ->
 
     assert set(ci_budget.PACKAGE_S) == PACKAGES
     assert all(newest > 0 for newest, _ in ci_budget.PACKAGE_S.values())
-    assert {name for name, (_, older) in ci_budget.PACKAGE_S.items() if older == 0} == set(NEWEST_VLLM_ONLY)
+    # Packages the older vLLM skips whole have 0 there (a module entry, package/test_x.py, only lowers its package's).
+    assert ({name for name, (_, older) in ci_budget.PACKAGE_S.items() if older == 0}
+            == {name for name in NEWEST_VLLM_ONLY if "/" not in name})
 
 
 def test_the_budgets_fit_the_target_less_the_recorded_debt() -> None:

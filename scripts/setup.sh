@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepare a fresh machine for vllm_kvp2p on CPU: Debian's libibverbs1 (Mooncake's engine links it even without
-# RDMA hardware), a virtual environment in .venv, vLLM CPU + Mooncake + this package with its C++ extension.
+# Prepare a fresh machine for vllm_kvp2p on CPU: Debian's packages (scripts/setup_debian.sh), a virtual environment
+# in .venv, vLLM CPU + Mooncake + this package with its C++ extension.
 # Idempotent: a second run only checks (stamps keyed on the dependency files and the C++ sources).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,15 +8,10 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
-  echo "[setup] installing Debian package libibverbs1"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
-fi
+bash scripts/setup_debian.sh
 
 # The third-party part (torch, vLLM, Mooncake, test tools: ~95 s of pip on 2 cores) is installed once per machine
-# into a base environment outside any checkout, keyed on pyproject.toml and this script, and each checkout's .venv
+# into a base environment outside any checkout, keyed on pyproject.toml and BASE_RECIPE, and each checkout's .venv
 # is a hard-linked copy of it (~1 s; a plain copy where links cannot be made) plus this package, editable (~15 s).
 # So a fresh clone (CI's) pays only for this package. Nothing writes into the base's files: pip replaces files by
 # renaming, and the few scripts naming the base's path are rewritten as new files.
@@ -28,7 +23,10 @@ BASE="$ENVS/venv-dotvenv-base"
 # (measured: with --no-compile, CI's e2e packages took 1.5-2x as long).
 pip_in() { "$1/bin/python" -m pip --disable-pip-version-check -q "${@:2}"; }
 
-base_want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# The base's key: pyproject.toml (its requirements) and this recipe's revision (raise it when the base's steps below
+# change; the rest of this script can change without rebuilding it).
+BASE_RECIPE="dotvenv-base r1: pip setuptools wheel; torch==2.13.0 pybind11 cmake ninja; .[cpu,test]; no torchvision"
+base_want=$( (cat pyproject.toml; echo "$BASE_RECIPE") | sha256sum | cut -d' ' -f1)
 want=$(cat pyproject.toml setup.py CMakeLists.txt $(find csrc -type f | sort) scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$VENV/.kvp2p-base" 2>/dev/null)" = "$base_want" ] && [ "$(cat "$VENV/.kvp2p-stamp" 2>/dev/null)" = "$want" ] \
    && "$VENV/bin/python" -c "import torch, vllm_kvp2p._C, vllm_kvp2p._arena, vllm, mooncake.engine" 2>/dev/null; then

@@ -22,6 +22,7 @@ summary=()
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
+bash scripts/setup_debian.sh || exit 1  # both vLLMs' runs need its packages (setup.sh runs it too)
 for version in $VERSIONS; do
   start=$(date +%s)
   case "$version" in

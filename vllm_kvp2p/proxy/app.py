@@ -91,11 +91,14 @@ class PrefillLost(ProxyError):
 
 
 class PDProxy:
-    """State shared by all requests: the instance pools, the HTTP client and the limits."""
+    """State shared by all requests: the instance pools, the HTTP client and the limits.
+
+    ``prefill=None`` is the proxy of ordinary instances (``--instances``): no P step, each request goes whole to
+    the instance ``decode``'s routing chooses (what P/D is measured against, benchmarks/bench_goodput.py)."""
 
     def __init__(
         self,
-        prefill: InstancePool,
+        prefill: InstancePool | None,
         decode: InstancePool,
         *,
         timeout_s: float,
@@ -141,12 +144,11 @@ class PDProxy:
         )
 
         self._tasks.append(asyncio.create_task(
-            probe_skipped((self.prefill, self.decode), self.client, self.health_probe_timeout_s),
-            name="kvp2p-proxy-probe"))
+            probe_skipped(self.pools, self.client, self.health_probe_timeout_s), name="kvp2p-proxy-probe"))
         if self.prompts is not None:
             from vllm_kvp2p.proxy.kv_event_feed import start_feeds  # zmq only when events are configured
 
-            self._tasks.extend(start_feeds((self.prefill, self.decode), self.prompts.hasher))
+            self._tasks.extend(start_feeds(self.pools, self.prompts.hasher))
 
     async def stop(self) -> None:
         """Stop the background tasks, close pooled connections on shutdown."""
@@ -157,6 +159,18 @@ class PDProxy:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    @property
+    def pools(self) -> tuple[InstancePool, ...]:
+        """P's pool (when there is a P step) and D's."""
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+    @property
+    def _p_pool(self) -> InstancePool:
+        """P's pool, in the P step (never reached by the proxy of ordinary instances)."""
+        if self.prefill is None:
+            raise RuntimeError("a P step in the proxy of ordinary instances")
+        return self.prefill
 
     @property
     def client(self) -> Upstream:
@@ -214,19 +228,19 @@ class PDProxy:
         try:
             kv = await self._prefill(lease.url, path, body, headers, deadline, rid)
         except ProxyError as exc:
-            self._outcome(self.prefill, lease.url, exc)
+            self._outcome(self._p_pool, lease.url, exc)
             raise
         except PassThrough:
-            self.prefill.answered(lease.url)
+            self._p_pool.answered(lease.url)
             raise
         except BaseException:
-            self.prefill.abandoned(lease.url)
+            self._p_pool.abandoned(lease.url)
             raise
         else:
-            self.prefill.answered(lease.url)
+            self._p_pool.answered(lease.url)
             return kv
         finally:
-            self.prefill.release(lease)
+            self._p_pool.release(lease)
 
     @staticmethod
     def _outcome(pool: InstancePool, url: str, exc: ProxyError) -> None:
@@ -250,12 +264,12 @@ class PDProxy:
         Returns the lease of the P that answered (already released) and its ``kv_transfer_params``. Both attempts
         share ``deadline``.
         """
-        first = self.prefill.acquire(prompt=prompt)
+        first = self._p_pool.acquire(prompt=prompt)
         try:
             return first, await self._attempt(first, path, body, headers, deadline, rid)
         except PrefillLost as exc:
             lost = exc
-        retry = self.prefill.acquire(exclude=first.url, prompt=prompt)
+        retry = self._p_pool.acquire(exclude=first.url, prompt=prompt)
         self.prefill_retries += 1
         logger.warning(
             "request %s: prefill instance %s went away before answering (%s); retrying once on %s",
@@ -311,27 +325,28 @@ class PDProxy:
         prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
         route_ms = (t0 - received) * 1000.0  # the prompt's tokens and hashes (routing happens below)
-        p_body = ENDPOINTS[path].prefill_body(body)
-        p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
-        prefill_ms = (time.monotonic() - t0) * 1000.0
-
+        info_headers = {"X-Request-Id": rid, "X-KVP2P-Route-Ms": f"{route_ms:.1f}"}
         d_body = dict(body)
-        d_body["kv_transfer_params"] = kv
-        info_headers = {
-            "X-Request-Id": rid,
-            "X-KVP2P-Prefill-Instance": p_lease.url,
-            "X-KVP2P-Route-Ms": f"{route_ms:.1f}",
-            "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}",
-        }
+        if self.prefill is not None:
+            p_body = ENDPOINTS[path].prefill_body(body)
+            p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
+            prefill_ms = (time.monotonic() - t0) * 1000.0
+            d_body["kv_transfer_params"] = kv
+            info_headers.update({"X-KVP2P-Prefill-Instance": p_lease.url, "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}"})
         d_lease = self.decode.acquire(prompt=prompt)
         info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
-        if self.cache_headers:
-            info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
-                                    strict=True))
-        logger.info(
-            "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in %.1f ms",
-            rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url, d_lease.cached_tokens, route_ms,
-        )
+        if self.prefill is None:
+            logger.info("request %s %s: instance %s (%d tokens cached); prompt read in %.1f ms",
+                        rid, path, d_lease.url, d_lease.cached_tokens, route_ms)
+        else:
+            if self.cache_headers:
+                info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
+                                        strict=True))
+            logger.info(
+                "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in "
+                "%.1f ms", rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url,
+                d_lease.cached_tokens, route_ms,
+            )
         if not stream:
             try:
                 return await self._decode_json(d_lease.url, path, d_body, headers, deadline, info_headers)
@@ -358,7 +373,7 @@ class PDProxy:
     def _tokenize_url(self) -> str:
         """The P to ask for a prompt's tokens: the least busy that is up (a skipped one would only cost the
         timeout)."""
-        return min(self.prefill.instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
+        return min(self.pools[0].instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
 
     async def _decode_json(
         self,

@@ -47,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode (kv_consumer) instance urls, e.g. http://10.0.0.2:8200",
     )
     p.add_argument(
+        "--instances",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="ordinary vLLM instances instead of P and D: each request goes whole to one of them, by the same "
+        "routing (what P/D is compared with, benchmarks/bench_goodput.py); KV events with --decode-kv-events",
+    )
+    p.add_argument(
         "--prefiller-hosts",
         "--prefiller-host",
         nargs="+",
@@ -247,9 +256,14 @@ def _host_port_urls(
 
 
 def resolve_instances(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """Prefill and decode urls from both flag styles; at least one of each is required."""
+    """Prefill and decode urls from both flag styles; at least one of each is required. ``--instances``: no
+    prefill urls, the instances in decode's place (the proxy of ordinary instances)."""
     prefill = list(args.prefill) + _host_port_urls(parser, "prefiller", args.prefiller_hosts, args.prefiller_ports)
     decode = list(args.decode) + _host_port_urls(parser, "decoder", args.decoder_hosts, args.decoder_ports)
+    if args.instances:
+        if prefill or decode or args.prefill_kv_events:
+            parser.error("--instances (ordinary instances) excludes the P and D flags and --prefill-kv-events")
+        return [], list(args.instances)
     if not prefill:
         parser.error("no prefill instance: use --prefill URL or --prefiller-hosts/--prefiller-ports")
     if not decode:

@@ -75,8 +75,11 @@ def create_app(
     past either, before any P is asked); a batch runs ``max_batch_concurrency`` prompts at once (docs/api.md).
     ``cache_headers`` adds ``X-KVP2P-Prefill-Cached-Tokens`` / ``X-KVP2P-Decode-Cached-Tokens`` to every answer:
     off by default, since any client could then learn which prefixes other clients' prompts share.
-    The :class:`PDProxy` is available as ``app.proxy``.
+    ``prefill_urls`` empty makes the proxy of ordinary instances: each request goes whole to one of
+    ``decode_urls`` (``--instances``). The :class:`PDProxy` is available as ``app.proxy``.
     """
+    if not prefill_urls and prefill_events:
+        raise ValueError("KV events for prefill instances, but there are none")
     if not 0 <= prefix_weight <= 100:
         raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
     if tokenize_timeout_s <= 0:
@@ -94,7 +97,7 @@ def create_app(
         )
 
     proxy = PDProxy(
-        pool(prefill_urls, prefill_events),
+        pool(prefill_urls, prefill_events) if prefill_urls else None,  # none: ordinary instances (``--instances``)
         pool(decode_urls, decode_events),
         timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s,
@@ -117,7 +120,8 @@ def create_app(
         await proxy.start()
         logger.info(
             "P/D proxy: prefill %s, decode %s, routing %s%s",
-            list(proxy.prefill.urls),
+            "none (ordinary instances, whole requests to the decode pool)" if proxy.prefill is None
+            else list(proxy.prefill.urls),
             list(proxy.decode.urls),
             routing.value,
             "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
@@ -143,7 +147,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
 
     Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
     """
-    prefill = proxy.prefill.snapshot()
+    prefill = [] if proxy.prefill is None else proxy.prefill.snapshot()
     decode = proxy.decode.snapshot()
     status_code = 200
     body: dict[str, Any] = {
@@ -152,10 +156,10 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
         "decode": decode,
         "prefill_retries": proxy.prefill_retries,
         "routing": {
-            "policy": proxy.prefill.policy.value,
-            "prefix_weight": proxy.prefill.prefix_weight,
+            "policy": proxy.decode.policy.value,
+            "prefix_weight": proxy.decode.prefix_weight,
             "kv_events": proxy.prompts is not None,
-            "index_blocks": sum(len(i.cache) for pool in (proxy.prefill, proxy.decode) for i in pool.instances),
+            "index_blocks": sum(len(i.cache) for pool in proxy.pools for i in pool.instances),
             **reader_snapshot(proxy.prompts),
         },
     }
@@ -167,7 +171,8 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
             entry["healthy"] = ok
             if err is not None:
                 entry["error"] = err
-        if not any(e["healthy"] for e in prefill) or not any(e["healthy"] for e in decode):
+        if (proxy.prefill is not None and not any(e["healthy"] for e in prefill)) or not any(
+                e["healthy"] for e in decode):
             body["status"] = "unhealthy"
             status_code = 503
     return JSONResponse(body, status_code)

@@ -71,8 +71,8 @@ class ProxyProcess:
             raise RuntimeError("the vllm-kvp2p-proxy console script is not installed next to this Python")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [script, "--host", "127.0.0.1", "--port", str(port), "--prefill", *prefill, "--decode", *decode,
-                 "--timeout", str(timeout), *extra_args],
+                [script, "--host", "127.0.0.1", "--port", str(port), *(("--prefill", *prefill) if prefill else ()),
+                 *(("--decode", *decode) if decode else ()), "--timeout", str(timeout), *extra_args],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         proxy = cls(f"http://127.0.0.1:{port}", proc, log_path)
@@ -90,6 +90,11 @@ class ProxyProcess:
         except BaseException:
             proxy.stop()
             raise
+
+    @classmethod
+    def start_instances(cls, urls: list[str], log_path: Path, timeout: float = 120) -> ProxyProcess:
+        """The proxy of ordinary instances (``--instances``): whole requests, no P step."""
+        return cls.start([], [], log_path, timeout, extra_args=("--instances", *urls))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

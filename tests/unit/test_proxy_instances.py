@@ -10,16 +10,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.unit.test_proxy import (  # noqa: F401 - fixtures used by name
-    CLIENT_TIMEOUT,
-    COMPLETION,
-    Stub,
-    _reset_stubs,
-    make_proxy,
-    sse_events,
-    stubs,
-)
+from tests.unit import test_proxy as harness
+from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, Stub, sse_events
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
+
+# test_proxy.py's fixtures: its stub engines (their own, for this module, reset before each test) and proxies.
+stubs = harness.stubs
+make_proxy = harness.make_proxy
+_reset_stubs = harness._reset_stubs
 
 
 def test_a_request_goes_whole_to_one_instance_without_a_p_step(stubs: dict[str, Stub],

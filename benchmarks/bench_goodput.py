@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -89,9 +90,33 @@ def _engine(model: Path, cpus: str, log: Path, *extra: str, env: dict[str, str] 
                       env={"MC_LOG_LEVEL": "ERROR", **(env or {})})
 
 
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process of each group, keyed ``label:process name``
+    (vLLM names its processes: ``VLLM::EngineCore``, ``VLLM::Worker``...; the API server is ``python`` or the
+    console script). ``groups``: label -> process group id (each server leads its own; the proxy is one process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        pgrp, utime, stime = int(fields[2]), int(fields[11]), int(fields[12])
+        for label, group in groups.items():
+            if pgrp == group or int(proc.name) == group:
+                key = f"{label}:{comm}"
+                out[key] = out.get(key, 0.0) + (utime + stime) / tick
+    return out
+
+
 @contextmanager
-def serve(setup: str, model: Path, logs: Path) -> Iterator[str]:
-    """Start ``setup``; yield the URL the benchmark talks to; stop everything it started."""
+def serve(setup: str, model: Path, logs: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    """Start ``setup``; yield the URL the benchmark talks to and the process groups to account CPU to; stop
+    everything it started."""
     servers: list[VllmServer] = []
     front: ProxyProcess | Router | None = None
     try:
@@ -115,7 +140,11 @@ def serve(setup: str, model: Path, logs: Path) -> Iterator[str]:
             front = ProxyProcess.start([servers[0].url], [servers[1].url], logs / "pd-proxy.log")
         elif setup == "pd-router":
             front = Router(servers[0].url, servers[1].url, logs / "pd-router.log")
-        yield front.url if front is not None else servers[0].url
+        labels = {"single2": ["engine"], "dual-proxy": ["engine0", "engine1"]}.get(setup, ["P", "D"])
+        groups = {label: s.pid for label, s in zip(labels, servers, strict=True) if s.pid is not None}
+        if front is not None:
+            groups["front"] = front.proc.pid
+        yield (front.url if front is not None else servers[0].url), groups
     finally:
         if front is not None:
             front.stop()
@@ -124,7 +153,7 @@ def serve(setup: str, model: Path, logs: Path) -> Iterator[str]:
 
 
 def run_point(url: str, model: Path, workload: str, rate: str, args: argparse.Namespace, out: Path,
-              seed: int) -> dict[str, Any]:
+              seed: int, groups: dict[str, int] | None = None) -> dict[str, Any]:
     prompt_len, output_len, ratio = WORKLOADS[workload]
     ttft, tpot = args.objectives["balanced"]
     cmd = [sys.executable, "-c", SERVE_BENCH, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
@@ -134,11 +163,16 @@ def run_point(url: str, model: Path, workload: str, rate: str, args: argparse.Na
            "--ignore-eos", "--seed", str(seed), "--goodput", f"ttft:{ttft:g}", f"tpot:{tpot:g}",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
+    cpu_before = cpu_seconds(groups or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    cpu_after = cpu_seconds(groups or {})
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     raw = json.loads(out.read_text())
     row: dict[str, Any] = {name: goodput(raw, *bounds) for name, bounds in args.objectives.items()}
+    # CPU seconds per request of each process over the run (the benchmark client's own is not counted).
+    row["cpu_ms_per_request"] = {k: round(1000 * (v - cpu_before.get(k, 0.0)) / max(1, raw["completed"]), 2)
+                                 for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0}
     mine, vllms = row["balanced"], raw.get("request_goodput")
     if vllms is None or abs(mine - vllms) > 1e-6 * max(1.0, vllms):
         raise RuntimeError(f"goodput computed here ({mine}) differs from vLLM's ({vllms}) for {out.name}")
@@ -254,7 +288,7 @@ def main() -> None:
     objectives = list(args.objectives)
     raw_rows: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {w: {} for w in args.workloads}
     for setup in args.setups:
-        with serve(setup, model, logs) as url:
+        with serve(setup, model, logs) as (url, groups):
             run_point(url, model, "mixed", "4", argparse.Namespace(**{**vars(args), "num_prompts": 8}),
                       logs / f"{setup}-warmup.json", seed=args.seed + 999_999)
             for rep in range(args.repeats):
@@ -263,7 +297,7 @@ def main() -> None:
                     for i, rate in enumerate(args.rates):
                         seed = args.seed + 10_000 * rep + 100 * w + i  # the same prompts for every setup
                         row = run_point(url, model, workload, rate, args,
-                                        logs / f"{setup}-{workload}-{rate}-{rep}.json", seed)
+                                        logs / f"{setup}-{workload}-{rate}-{rep}.json", seed, groups)
                         rows[rate].append(row)
                         print(f"[goodput] {setup} {workload} rate {rate} rep {rep}: "
                               + ", ".join(f"{n} {row[n]:.2f}" for n in objectives)

@@ -14,7 +14,8 @@ bash scripts/setup_debian.sh
 # into a base environment outside any checkout, keyed on pyproject.toml and BASE_RECIPE, and each checkout's .venv
 # is a hard-linked copy of it (~1 s; a plain copy where links cannot be made) plus this package, editable (~15 s).
 # So a fresh clone (CI's) pays only for this package. Nothing writes into the base's files: pip replaces files by
-# renaming, and the few scripts naming the base's path are rewritten as new files.
+# renaming, and the few scripts naming the base's path are rewritten as new files. (Editing a file of .venv's
+# site-packages in place, say to debug vLLM, edits the base's for every checkout: reinstall that package first.)
 #   KVP2P_VLLM_ENVS  where the base lives (default ${XDG_CACHE_HOME:-~/.cache}/vllm-kvp2p, beside the other vLLMs)
 ENVS=${KVP2P_VLLM_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-kvp2p}
 BASE="$ENVS/venv-dotvenv-base"

@@ -211,7 +211,8 @@ def report(results: dict[str, Any], objectives: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], objectives: list[str], plot_dir: Path, title: str) -> list[Path]:
+def plot(results: dict[str, Any], objectives: dict[str, tuple[float, float]], plot_dir: Path,
+         title: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +230,7 @@ def plot(results: dict[str, Any], objectives: list[str], plot_dir: Path, title: 
                 err = [[m - curve[r]["min"] for r, m in zip(rates, med, strict=True)],
                        [curve[r]["max"] - m for r, m in zip(rates, med, strict=True)]]
                 ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=setup)
-            ttft, tpot = OBJECTIVES_USED[name]
+            ttft, tpot = objectives[name]
             ax.set_title(f"{name}: TTFT <= {ttft:g} ms, TPOT <= {tpot:g} ms", fontsize=9)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel("goodput (req/s)")
@@ -243,8 +244,6 @@ def plot(results: dict[str, Any], objectives: list[str], plot_dir: Path, title: 
         written.append(path)
     return written
 
-
-OBJECTIVES_USED: dict[str, tuple[float, float]] = dict(OBJECTIVES)
 
 
 def parse_objectives(values: list[str]) -> dict[str, tuple[float, float]]:
@@ -277,7 +276,6 @@ def main() -> None:
     parser.add_argument("--plot-dir", default=None)
     args = parser.parse_args()
     args.objectives = parse_objectives(args.objectives)
-    OBJECTIVES_USED.update(args.objectives)
     if "pd-router" in args.setups and _bin("vllm-router") is None:
         parser.error("pd-router needs vllm-router (pip install vllm-router)")
     signal.signal(signal.SIGTERM, _on_sigterm)  # a `timeout` around this script: stop what was started
@@ -307,7 +305,7 @@ def main() -> None:
                for w, by_setup in raw_rows.items()}
     print(report(results, objectives))
     if args.plot_dir:
-        for path in plot(results, objectives, Path(args.plot_dir), f"goodput, {args.model} model"):
+        for path in plot(results, args.objectives, Path(args.plot_dir), f"goodput, {args.model} model"):
             print(f"[goodput] plot {path}", file=sys.stderr)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "objectives"}

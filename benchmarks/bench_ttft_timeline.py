@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Where a P/D request's time to first token goes (not a test).
 
-    python benchmarks/bench_ttft_timeline.py [--requests 20] [--prompt-tokens 480] [--json out.json]
+    python benchmarks/bench_ttft_timeline.py [--requests 20] [--prompt-tokens 480 [1024 ...]] [--model tiny|small]
+        [--front proxy|router] [--json out.json]
 
 Starts the demo's deployment (tiny test model; P pinned to core 0, D to core 1, the project's proxy in front, all on
 127.0.0.1) with the connector's DEBUG lines on and every engine log line stamped with its wall-clock time in
@@ -28,6 +29,12 @@ client's clock and the engines' log lines (one machine: one clock), each stage i
 
 and the floor the performance issue sets: single-instance TTFT + the pull (claim sent -> pull done) + one D decode
 step (D's median inter-token latency) + the second HTTP hop (proxy has P's answer -> D planned the pull).
+
+Several ``--prompt-tokens`` run one after the other on the same engines, each with its own table; for each, the
+pull's share of P/D's TTFT (claim sent -> pull done, over the client's TTFT) is the figure that says what
+overlapping the transfer with P's prefill could save at most. ``--front router`` puts vllm-router (P/D mode) in
+front instead of the project's proxy: its log has no "prefill" line, so the proxy's stage and the second hop are
+blank and the floor leaves the hop out. ``--model small`` is bench_goodput.py's larger model.
 """
 
 from __future__ import annotations
@@ -47,8 +54,12 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvp2p.testing.cluster import PDCluster
-from vllm_kvp2p.testing.tiny_model import make_tiny_llama
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_goodput import MODELS  # noqa: E402
+from bench_serving import Router  # noqa: E402
+
+from vllm_kvp2p.testing.cluster import PDCluster  # noqa: E402
+from vllm_kvp2p.testing.tiny_model import make_tiny_llama  # noqa: E402
 
 LOGGING_CONFIG = {
     "version": 1,
@@ -157,35 +168,55 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:7.1f}"
 
 
-def run(args: argparse.Namespace) -> dict:
-    model = make_tiny_llama(args.model_dir)
+def run(args: argparse.Namespace) -> list[dict]:
+    longest = max(args.prompt_tokens) + args.max_tokens
+    max_len = max(2048, 1024 * -(-longest // 1024))
+    model = make_tiny_llama(f"{args.model_dir}-{args.model}-{max_len}", max_pos=max_len, **MODELS[args.model])
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvp2p-timeline-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg = log_dir / "logging.json"
     cfg.write_text(json.dumps(LOGGING_CONFIG))
     env = {"VLLM_LOGGING_CONFIG_PATH": str(cfg), "VLLM_CONFIGURE_LOGGING": "1", **dict(args.env)}
-    rng = random.Random(args.seed)
+    # Room for a few of the longest prompts in the KV cache (fp32 K and V of every layer).
+    spec = {"num_layers": 2, "kv_heads": 2, "head_dim": 64, **MODELS[args.model]}
+    per_token = 2 * 4 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"]
+    cache = max(64 * 2**20, 4 * longest * per_token)
+    engine_args = ("--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(cache), *args.engine_arg)
+    print(f"[timeline] logs in {log_dir}", file=sys.stderr)
+    results = []
+    with PDCluster(model, log_dir, prefill_env=env, decode_env=env, engine_args=engine_args) as cluster, \
+            httpx.Client(timeout=300, trust_env=False) as client:
+        router = Router(cluster.prefill.url, cluster.decode.url, log_dir / "router.log") \
+            if args.front == "router" else None
+        try:
+            front_url = router.url if router is not None else cluster.proxy_url
+            for index, tokens in enumerate(args.prompt_tokens):
+                results.append(run_length(args, cluster, client, front_url, tokens, args.seed + index))
+        finally:
+            if router is not None:
+                router.stop()
+    return results
+
+
+def run_length(args: argparse.Namespace, cluster: PDCluster, client: httpx.Client, front_url: str, tokens: int,
+               seed: int) -> dict:
+    rng = random.Random(seed)
     singles: list[Streamed] = []
     pds: list[Streamed] = []
-    print(f"[timeline] logs in {log_dir}", file=sys.stderr)
-    with PDCluster(model, log_dir, prefill_env=env, decode_env=env,
-                   engine_args=tuple(args.engine_arg)) as cluster, \
-            httpx.Client(timeout=120, trust_env=False) as client:
-        body = {"model": cluster.prefill.model_name, "max_tokens": args.max_tokens, "temperature": 0,
-                "ignore_eos": True}
-        for i in range(args.warmup + args.requests):
-            for kind in ("single", "pd"):
-                prompt = [rng.randrange(4, 500) for _ in range(args.prompt_tokens)]
-                url = cluster.prefill.url if kind == "single" else cluster.proxy_url
-                got = stream(client, url, {**body, "prompt": prompt})
-                if i >= args.warmup:
-                    (singles if kind == "single" else pds).append(got)
-                time.sleep(args.gap)
-        time.sleep(0.5)  # let the last log lines reach the files
-        p_ev = engine_events(cluster.prefill.log_path)
-        d_ev = engine_events(cluster.decode.log_path)
-        assert cluster.proxy is not None
-        px_ev = proxy_events(cluster.proxy.log_path)
+    body = {"model": cluster.prefill.model_name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    for i in range(args.warmup + args.requests):
+        for kind in ("single", "pd"):
+            prompt = [rng.randrange(4, 500) for _ in range(tokens)]
+            url = cluster.prefill.url if kind == "single" else front_url
+            got = stream(client, url, {**body, "prompt": prompt})
+            if i >= args.warmup:
+                (singles if kind == "single" else pds).append(got)
+            time.sleep(args.gap)
+    time.sleep(0.5)  # let the last log lines reach the files
+    p_ev = engine_events(cluster.prefill.log_path)
+    d_ev = engine_events(cluster.decode.log_path)
+    assert cluster.proxy is not None
+    px_ev = proxy_events(cluster.proxy.log_path) if args.front == "proxy" else []
 
     rows = [timeline(r, p_ev, d_ev, px_ev) for r in pds]
     med = {k: median([r[k] for r in rows]) for k in (*STAGES, "claims", "claims_unknown")}
@@ -199,16 +230,19 @@ def run(args: argparse.Namespace) -> dict:
     hop_ms = statistics.median(hops) if hops else 0.0
     floor = single_ttft + pull_ms + pd_itl + hop_ms
     pd_ttft = statistics.median(r.ttft_ms for r in pds)
+    shares = [(r["d_done"] - r["d_claim"]) / p.ttft_ms for r, p in zip(rows, pds, strict=True)
+              if r["d_done"] is not None and r["d_claim"] is not None]
     result = {
-        "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "env": dict(args.env), "engine_args": list(args.engine_arg), "single_ttft_ms": single_ttft,
-        "single_itl_ms": single_itl, "pd_ttft_ms": pd_ttft,
+        "requests": args.requests, "prompt_tokens": tokens, "max_tokens": args.max_tokens, "model": args.model,
+        "front": args.front, "env": dict(args.env), "engine_args": list(args.engine_arg),
+        "single_ttft_ms": single_ttft, "single_itl_ms": single_itl, "pd_ttft_ms": pd_ttft,
         "pd_ttft_p90_ms": sorted(r.ttft_ms for r in pds)[int(0.9 * (len(pds) - 1))], "pd_itl_ms": pd_itl,
-        "pull_ms": pull_ms, "second_hop_ms": hop_ms, "floor_ms": floor, "above_floor_ms": pd_ttft - floor,
-        "median_stage_ms": med, "rows": rows,
+        "pull_ms": pull_ms, "pull_share_of_pd_ttft": statistics.median(shares) if shares else None,
+        "second_hop_ms": hop_ms, "floor_ms": floor, "above_floor_ms": pd_ttft - floor,
+        "above_single_ms": pd_ttft - single_ttft, "median_stage_ms": med, "rows": rows,
     }
-    print(f"\nP/D timeline, ms since the client sent the request (median of {args.requests}; "
-          f"{args.prompt_tokens}-token prompts):")
+    print(f"\nP/D timeline through the {args.front}, ms since the client sent the request (median of "
+          f"{args.requests}; {tokens}-token prompts, {args.model} model):")
     prev = 0.0
     for stage in STAGES:
         v = med[stage]
@@ -216,11 +250,14 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  {stage:<20} {_fmt(v)}{delta}")
         prev = v if v is not None else prev
     print(f"  claims per request: {med['claims']:.0f} (P did not have the hold yet: {med['claims_unknown']:.0f})")
+    share = result["pull_share_of_pd_ttft"]
     print(f"\n| | ms |\n|---|---|\n| single-instance TTFT (P's engine, one core) | {single_ttft:.1f} |"
           f"\n| pull (claim sent -> done) | {pull_ms:.1f} |\n| D decode step (ITL) | {pd_itl:.1f} |"
           f"\n| second HTTP hop (proxy has P's answer -> D planned) | {hop_ms:.1f} |\n| **floor** | {floor:.1f} |"
           f"\n| **P/D TTFT** (p90 {result['pd_ttft_p90_ms']:.1f}) | {pd_ttft:.1f} |"
-          f"\n| above the floor (target <= 5) | {pd_ttft - floor:.1f} |")
+          f"\n| above the floor (target <= 5) | {pd_ttft - floor:.1f} |"
+          f"\n| above one instance (target <= 10) | {pd_ttft - single_ttft:.1f} |"
+          f"\n| pull's share of P/D TTFT | {'-' if share is None else f'{100 * share:.1f}%'} |")
     return result
 
 
@@ -228,7 +265,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20, help="P/D requests (and as many single) (%(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="pairs not counted (%(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=480, help="(%(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[480], help="one or more (%(default)s)")
+    parser.add_argument("--model", choices=list(MODELS), default="tiny", help="(%(default)s)")
+    parser.add_argument("--front", choices=("proxy", "router"), default="proxy",
+                        help="the project's proxy or vllm-router (%(default)s)")
     parser.add_argument("--max-tokens", type=int, default=24, help="(%(default)s)")
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between requests (%(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -236,14 +276,15 @@ def main() -> None:
                         help="extra environment for both engines, e.g. --env VLLM_KVP2P_IDLE_STEP_SLEEP 0")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                         help="one more `vllm serve` flag for P and D, e.g. --engine-arg=--async-scheduling")
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "kvp2p-bench-tiny-llama"))
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "kvp2p-bench-timeline"),
+                        help="models are written to <this>-<model>-<max model len>")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures (and every request's row) here")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    result = run(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    results = run(args)
+    if args.json:  # one length: its figures, as before; several: a list
+        Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
 
 
 if __name__ == "__main__":

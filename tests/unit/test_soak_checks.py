@@ -82,3 +82,20 @@ def test_a_missing_tables_line_is_a_leak_unless_vllm_force_killed_the_worker(tmp
     assert table_leaks("prefill1", shutdown_tables(log), peers=2) == missing
     log.write_text("$ run\n(APIServer) [shutdown] force killing sub process VLLM::Worker pid 7\n")
     assert worker_force_killed(log)
+
+
+def test_an_engine_core_vllm_force_killed_is_still_a_leak_with_the_reason(tmp_path) -> None:
+    """vLLM 0.32 runs a TP-1 CPU worker in the engine core: when its process manager force-kills the engine core
+    at shutdown, the tables were never logged, and that stays a failure (named), not a skipped check."""
+    from types import SimpleNamespace
+
+    from vllm_kvp2p.testing.soak import SoakReport, check_tables, engine_core_force_killed
+
+    log = tmp_path / "decode.log"
+    log.write_text("$ run\n(APIServer pid=9) WARNING [shutdown] Process manager: force killing remaining process "
+                   "EngineCore pid 964\n")
+    assert engine_core_force_killed(log)
+    report = SoakReport(requests=1)
+    check_tables(SimpleNamespace(producers=[object()], engines=[SimpleNamespace(log_path=log)]), report)
+    assert len(report.leaks) == 1 and "no 'connector tables' line" in report.leaks[0]
+    assert "force-killed the engine core" in report.leaks[0]

@@ -220,9 +220,7 @@ def _logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def shutdown_tables(log_path: Path) -> list[dict[str, int]]:
     """What each worker of the engine's last run logged at shutdown (``connector tables: {...}``)."""
-    text = log_path.read_text(errors="replace")
-    last_run = text[text.rfind("\n$ ") + 1:] if "\n$ " in text else text
-    return [ast.literal_eval(m) for m in re.findall(r"connector tables: (\{[^}]*\})", last_run)]
+    return [ast.literal_eval(m) for m in re.findall(r"connector tables: (\{[^}]*\})", _last_run(log_path))]
 
 
 def table_leaks(name: str, tables: list[dict[str, int]], peers: int) -> list[str]:
@@ -245,8 +243,11 @@ class SoakCluster:
         common = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
         # vLLM's default shutdown (--shutdown-timeout 0, "abort") kills the engine core's process tree at once, so
         # a worker can die before it logs its tables, which check_tables reads (seen once on vLLM 0.23, for the
-        # restarted P). With a few seconds, vLLM tears its workers down and the line is always there.
-        engine_args = (*engine_args, "--shutdown-timeout", "5")
+        # restarted P). vLLM's process manager also force-kills an engine core that has not exited this many
+        # seconds after SIGTERM: with 5, an idle D's engine core on 0.32 once did not start its shutdown in time
+        # on a loaded CI machine (not reproduced in 4 runs here). 15 s leaves room and costs nothing when the
+        # engine stops at once; VllmServer.stop waits 20.
+        engine_args = (*engine_args, "--shutdown-timeout", "15")
         self.producers = [
             VllmServer(model, free_port(), cpus="0", log_path=log_dir / f"prefill{i}.log",
                        extra_args=(*engine_args, "--kv-transfer-config", kv_transfer_config("kv_producer")),
@@ -364,13 +365,25 @@ def check_tables(cluster: SoakCluster, report: SoakReport) -> None:
         if not tables and worker_force_killed(server.log_path):
             report.faults.append(f"{server.log_path.stem}: tables unchecked (vLLM force-killed its worker first)")
             continue
-        report.leaks += table_leaks(server.log_path.stem, tables, peers)
+        leaks = table_leaks(server.log_path.stem, tables, peers)
+        if not tables and engine_core_force_killed(server.log_path):
+            leaks = [f"{leaks[0]}: vLLM force-killed the engine core after --shutdown-timeout, before its "
+                     "worker shut down (see the log's [shutdown] lines)"]
+        report.leaks += leaks
+
+
+def _last_run(log_path: Path) -> str:
+    text = log_path.read_text(errors="replace")
+    return text[text.rfind("\n$ ") + 1:] if "\n$ " in text else text
 
 
 def worker_force_killed(log_path: Path) -> bool:
-    text = log_path.read_text(errors="replace")
-    last_run = text[text.rfind("\n$ ") + 1:] if "\n$ " in text else text
-    return "force killing sub process VLLM::Worker" in last_run
+    return "force killing sub process VLLM::Worker" in _last_run(log_path)
+
+
+def engine_core_force_killed(log_path: Path) -> bool:
+    """vLLM 0.32's process manager gave up on the engine core (where a TP-1 CPU worker lives) at shutdown."""
+    return "force killing remaining process EngineCore" in _last_run(log_path)
 
 
 def main(argv: list[str] | None = None) -> int:

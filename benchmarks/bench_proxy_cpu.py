@@ -28,6 +28,7 @@ import httpx
 
 from vllm_kvp2p.testing.cluster import ProxyProcess
 from vllm_kvp2p.testing.server import free_port
+from vllm_kvp2p.testing.sse import sse_lines
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import Router, _bin  # noqa: E402  (shared with bench_serving)
@@ -89,7 +90,7 @@ def drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
             t0 = time.monotonic()
             first: float | None = None
             with client.stream("POST", url + "/v1/completions", json=body) as resp:
-                for line in resp.iter_lines():
+                for line in sse_lines(resp):
                     if first is None and line.startswith("data: "):
                         first = (time.monotonic() - t0) * 1000
             ttfts.append(first or 0.0)

@@ -50,6 +50,7 @@ import httpx
 
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_events_config, kv_transfer_config
 from vllm_kvp2p.testing.server import VllmServer, free_port
+from vllm_kvp2p.testing.sse import sse_lines
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -186,7 +187,7 @@ def multiturn(url: str, args: argparse.Namespace, hit_ttfts: list[float]) -> lis
                 with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     resp.raise_for_status()
                     cached = int(resp.headers.get("x-kvp2p-prefill-cached-tokens", "-1"))
-                    for line in resp.iter_lines():
+                    for line in sse_lines(resp):
                         if line.startswith("data: ") and line != "data: [DONE]":
                             if first is None:
                                 first = time.monotonic() - t0

@@ -59,6 +59,7 @@ from bench_goodput import MODELS  # noqa: E402
 from bench_serving import Router  # noqa: E402
 
 from vllm_kvp2p.testing.cluster import PDCluster  # noqa: E402
+from vllm_kvp2p.testing.sse import sse_lines  # noqa: E402
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama  # noqa: E402
 
 LOGGING_CONFIG = {
@@ -98,7 +99,7 @@ def stream(client: httpx.Client, url: str, body: dict) -> Streamed:
     out = Streamed(sent=time.time())
     with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

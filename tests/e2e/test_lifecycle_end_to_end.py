@@ -21,6 +21,7 @@ from tests.e2e.helpers import (
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
+from vllm_kvp2p.testing.sse import sse_lines
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +63,7 @@ def test_client_cancelling_mid_stream_leaks_nothing(cluster: Cluster) -> None:
                       json={**completion_body(prompt), "max_tokens": 1500, "stream": True, "logprobs": None},
                       timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if line.startswith("data: "):
                 break  # the client goes away after the first token
     assert wait_kv_idle(cluster.decode) == 0.0

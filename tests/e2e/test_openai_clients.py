@@ -37,6 +37,7 @@ from tests.e2e.helpers import (
 from vllm_kvp2p.proxy.app import PREFILL_KV_TRANSFER_PARAMS
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.server import VllmServer
+from vllm_kvp2p.testing.sse import sse_lines
 
 HOLD_COUNTERS = ("vllm:kvp2p_holds_created_total", "vllm:kvp2p_holds_released_total",
                  "vllm:kvp2p_holds_expired_total")
@@ -86,7 +87,7 @@ def streamed(url: str, request: dict[str, Any]) -> dict[int, dict[str, Any]]:
     choices: dict[int, dict[str, Any]] = {}
     with httpx.stream("POST", url, json={**request, "stream": True}, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -30,6 +30,7 @@ import pytest
 from tests.e2e.helpers import LOGPROB_TOL, prompt_ids, tokens_by_source, wait_kv_idle
 from vllm_kvp2p.compat import parse_version
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
+from vllm_kvp2p.testing.sse import sse_lines
 from vllm_kvp2p.testing.tiny_model import tiny_corpus
 
 pytestmark = pytest.mark.e2e
@@ -358,7 +359,7 @@ def call(base: str, route: str, body: Json, timeout: float = 60) -> Answer:
         if r.status_code != 200:
             return Answer(r.status_code, _json(r.read().decode()))
         events, done = [], False
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: "):

@@ -31,6 +31,7 @@ from tests.e2e.helpers import (
 )
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
+from vllm_kvp2p.testing.sse import sse_lines
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +68,7 @@ def test_streaming_and_chat_through_the_proxy(cluster: Cluster) -> None:
     with httpx.stream("POST", cluster.proxy_url + "/v1/completions",
                       json={**completion_body(prompt), "stream": True, "logprobs": None}, timeout=120) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:])["choices"][0]["text"])
     assert "".join(chunks) == baseline(cluster, prompt)["choices"][0]["text"]

@@ -31,6 +31,7 @@ from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logpro
 from tests.e2e_routing.conftest import RoutingCluster
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.server import VllmServer, free_port
+from vllm_kvp2p.testing.sse import sse_lines
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_n3_behind_vllm_router_equals_one_instance_with_one_hold(
         texts: dict[int, str] = {}
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:])["choices"]:
                         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]

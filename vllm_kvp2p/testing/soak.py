@@ -45,6 +45,7 @@ import httpx
 from vllm_kvp2p.pull_lanes import LANES_PER_PEER
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
+from vllm_kvp2p.testing.sse import sse_lines
 
 VOCAB = 512  # the tiny model's
 LOGPROB_TOL = 1e-4  # float32 noise between a one-shot prefill and D's recompute of the last prompt token
@@ -139,7 +140,7 @@ def _send(client: httpx.Client, url: str, spec: Spec) -> dict[str, Any] | None:
     """The answer, or None when the client abandoned the request as the spec says."""
     if spec.cancel == "stream":
         with client.stream("POST", url + "/v1/completions", json=body(spec, stream=True)) as resp:
-            for n, _ in enumerate(resp.iter_lines()):
+            for n, _ in enumerate(sse_lines(resp)):
                 if n >= spec.after_chunks:
                     return None  # closes the connection mid-stream
         return None

@@ -85,8 +85,21 @@ def goodput(raw: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float:
     return good / raw["duration"]
 
 
+#: KV cache per engine, in tokens, whatever the model (the test servers' 64 MiB of the tiny model's fp32 KV).
+KV_CACHE_TOKENS = 32768
+
+
+def kv_cache_bytes(model: Path) -> int:
+    """Room for KV_CACHE_TOKENS tokens of this model's fp32 K and V (config.json of the model directory)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return KV_CACHE_TOKENS * 2 * 4 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+
+
 def _engine(model: Path, cpus: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> VllmServer:
-    return VllmServer(model, free_port(), cpus=cpus, log_path=log, extra_args=("--max-num-seqs", "64", *extra),
+    return VllmServer(model, free_port(), cpus=cpus, log_path=log,
+                      extra_args=("--max-num-seqs", "64", "--kv-cache-memory-bytes", str(kv_cache_bytes(model)),
+                                  *extra),
                       env={"MC_LOG_LEVEL": "ERROR", **(env or {})})
 
 
@@ -212,7 +225,7 @@ def report(results: dict[str, Any], objectives: list[str]) -> str:
 
 
 def plot(results: dict[str, Any], objectives: dict[str, tuple[float, float]], plot_dir: Path,
-         title: str) -> list[Path]:
+         title: str, stem: str = "bench_goodput") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +251,7 @@ def plot(results: dict[str, Any], objectives: dict[str, tuple[float, float]], pl
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"{title}: {workload} {WORKLOADS[workload][:2]} (prompt, output tokens)", fontsize=10)
         fig.tight_layout()
-        path = plot_dir / f"bench_goodput_{workload}.png"
+        path = plot_dir / f"{stem}_{workload}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -305,7 +318,8 @@ def main() -> None:
                for w, by_setup in raw_rows.items()}
     print(report(results, objectives))
     if args.plot_dir:
-        for path in plot(results, args.objectives, Path(args.plot_dir), f"goodput, {args.model} model"):
+        stem = "bench_goodput" if args.model == "tiny" else f"bench_goodput_{args.model}"
+        for path in plot(results, args.objectives, Path(args.plot_dir), f"goodput, {args.model} model", stem):
             print(f"[goodput] plot {path}", file=sys.stderr)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "objectives"}

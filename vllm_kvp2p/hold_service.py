@@ -165,8 +165,9 @@ class HoldService:
             return dict(self.ledger.counters)
 
     def table_sizes(self) -> dict[str, int]:
+        """The ledger's tables and the integrity questions waiting for their sums (empty when P is idle)."""
         with self._lock:
-            return self.ledger.table_sizes()
+            return {**self.ledger.table_sizes(), "questions_waiting": len(self._pending)}
 
     def take_metrics(self) -> tuple[dict[str, int], dict[str, int], int, float]:
         """Since the last call: holds created / released / expired and claims refused, side-channel messages

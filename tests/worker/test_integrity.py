@@ -337,9 +337,11 @@ def test_an_honest_claim_is_answered_at_once_while_a_maximal_question_is_summed(
         assert renewal.status is ClaimStatus.GRANTED and isinstance(released, Released) and released.lease_held
         assert claim_took < 0.5 and all_took < 1.0, (claim_took, all_took)  # the sums take 3 s
         assert not answers  # still summing
+        assert pair.holds.table_sizes()["questions_waiting"] == 1  # the soak's idle check sees a stuck one
         asking.join(10)
     finally:
         pair.holds._digester = digester
     reply, took = answers[0]
     assert isinstance(reply, Released) and reply.sums is not None and len(reply.sums) == len(question), reply
     assert took >= 3.0
+    assert pair.holds.table_sizes()["questions_waiting"] == 0

@@ -60,7 +60,7 @@ IDLE_WITHIN_S = 20 + 20 + 15
 
 # The tables that must be empty when an engine is idle, and how many entries per peer the others may hold (D has
 # one side-channel socket per pull thread that talked to a P rank: LANES_PER_PEER of them).
-EMPTY_WHEN_IDLE = ("holds", "early_releases", "freed", "queued_plans", "suspects", "results")
+EMPTY_WHEN_IDLE = ("holds", "early_releases", "freed", "questions_waiting", "queued_plans", "suspects", "results")
 PER_PEER = {"instances": 1, "registrations": 1, "rank_tables": 1, "sockets": LANES_PER_PEER}
 
 

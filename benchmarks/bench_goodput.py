@@ -103,26 +103,33 @@ def _engine(model: Path, cpus: str, log: Path, *extra: str, env: dict[str, str] 
                       env={"MC_LOG_LEVEL": "ERROR", **(env or {})})
 
 
-def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+def _stat(path: Path) -> tuple[str, int, float] | None:
+    """(name, process group, CPU seconds: user + system) of one /proc/<pid> or /proc/<pid>/task/<tid>."""
+    try:
+        stat = (path / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (stat[stat.index("(") + 1:stat.rindex(")")], int(fields[2]),
+            (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+
+
+def cpu_seconds(groups: dict[str, int], threads: bool = False) -> dict[str, float]:
     """CPU seconds (user + system) used so far by each process of each group, keyed ``label:process name``
     (vLLM names its processes: ``VLLM::EngineCore``, ``VLLM::Worker``...; the API server is ``python`` or the
-    console script). ``groups``: label -> process group id (each server leads its own; the proxy is one process)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    console script); with ``threads``, by thread instead, keyed ``label:thread name`` (the connector names its
+    threads for the kernel: vllm_kvp2p/os_threads.py). ``groups``: label -> process group id (each server leads
+    its own; the proxy is one process)."""
     out: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or (found := _stat(proc)) is None:
             continue
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        pgrp, utime, stime = int(fields[2]), int(fields[11]), int(fields[12])
         for label, group in groups.items():
-            if pgrp == group or int(proc.name) == group:
-                key = f"{label}:{comm}"
-                out[key] = out.get(key, 0.0) + (utime + stime) / tick
+            if found[1] != group and int(proc.name) != group:
+                continue
+            parts = [found] if not threads else [t for task in (proc / "task").glob("*") if (t := _stat(task))]
+            for name, _, seconds in parts:
+                out[f"{label}:{name}"] = out.get(f"{label}:{name}", 0.0) + seconds
     return out
 
 
@@ -176,16 +183,18 @@ def run_point(url: str, model: Path, workload: str, rate: str, args: argparse.Na
            "--ignore-eos", "--seed", str(seed), "--goodput", f"ttft:{ttft:g}", f"tpot:{tpot:g}",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
-    cpu_before = cpu_seconds(groups or {})
+    cpu_before, threads_before = cpu_seconds(groups or {}), cpu_seconds(groups or {}, threads=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
-    cpu_after = cpu_seconds(groups or {})
+    cpu_after, threads_after = cpu_seconds(groups or {}), cpu_seconds(groups or {}, threads=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     raw = json.loads(out.read_text())
     row: dict[str, Any] = {name: goodput(raw, *bounds) for name, bounds in args.objectives.items()}
     # CPU seconds per request of each process over the run (the benchmark client's own is not counted).
-    row["cpu_ms_per_request"] = {k: round(1000 * (v - cpu_before.get(k, 0.0)) / max(1, raw["completed"]), 2)
-                                 for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0}
+    for key, before, after in (("cpu_ms_per_request", cpu_before, cpu_after),
+                               ("cpu_ms_per_request_by_thread", threads_before, threads_after)):
+        row[key] = {k: round(1000 * (v - before.get(k, 0.0)) / max(1, raw["completed"]), 2)
+                    for k, v in after.items() if v - before.get(k, 0.0) > 0}
     mine, vllms = row["balanced"], raw.get("request_goodput")
     if vllms is None or abs(mine - vllms) > 1e-6 * max(1.0, vllms):
         raise RuntimeError(f"goodput computed here ({mine}) differs from vLLM's ({vllms}) for {out.name}")

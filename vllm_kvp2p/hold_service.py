@@ -33,6 +33,7 @@ from concurrent.futures import Future
 
 import msgspec
 
+from vllm_kvp2p import os_threads
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.hold import HeldUnits
 from vllm_kvp2p.lifecycle.integrity import query_problem
@@ -45,6 +46,7 @@ from vllm_kvp2p.lifecycle.producer import (
     ProducerLedger,
 )
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.os_threads import run_named
 from vllm_kvp2p.protocol import (
     Claim,
     ClaimStatus,
@@ -123,7 +125,8 @@ class HoldService:
         # Releases whose question is being summed, and the answer each will get; the questions, in order.
         self._pending: dict[_ReleaseKey, tuple[Release, Future[Reply]]] = {}
         self._questions: queue.SimpleQueue[tuple[Release, HeldUnits, Future[Reply]] | None] = queue.SimpleQueue()
-        self._summer = threading.Thread(target=self._sum_questions, name=f"kvp2p-digest:{port}", daemon=True)
+        self._summer = threading.Thread(target=run_named(os_threads.DIGEST, self._sum_questions),
+                                        name=f"kvp2p-digest:{port}", daemon=True)
         self._summer.start()
         self._server = SideChannelServer(
             host, port, self._handle, setting=f"VLLM_KVP2P_SIDE_CHANNEL_PORT base + rank {registration.rank}",

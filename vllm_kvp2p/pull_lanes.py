@@ -23,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_kvp2p import os_threads
+from vllm_kvp2p.os_threads import run_named
+
 if TYPE_CHECKING:
     from vllm_kvp2p.lifecycle.consumer import PullPlan
 
@@ -41,7 +44,7 @@ class Lane:
         self.plans: queue.Queue[PullPlan | None] = queue.Queue()
         self.instances = 0  # P instances assigned to this lane
         self.busy = 0  # plans queued or in progress (LaneTable.lock)
-        self.thread = threading.Thread(target=run, args=(self,), name=name, daemon=True)
+        self.thread = threading.Thread(target=run_named(os_threads.PULL, run), args=(self,), name=name, daemon=True)
         self.thread.start()
 
 

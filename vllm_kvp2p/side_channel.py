@@ -21,9 +21,10 @@ from concurrent.futures import Future
 import msgspec
 import zmq
 
-from vllm_kvp2p import protocol
+from vllm_kvp2p import os_threads, protocol
 from vllm_kvp2p.auth import Authenticator, AuthError, ReplayGuard
 from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.os_threads import run_named
 from vllm_kvp2p.protocol import ErrorReply, Reply, Request
 
 logger = get_logger(__name__)
@@ -140,7 +141,8 @@ class SideChannelServer:
         for end in (self._wake_r, self._wake_w):
             end.setblocking(False)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"kvp2p-side-channel:{port}", daemon=True)
+        self._thread = threading.Thread(target=run_named(os_threads.SIDE_CHANNEL, self._serve),
+                                        name=f"kvp2p-side-channel:{port}", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:

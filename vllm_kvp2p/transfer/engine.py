@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_kvp2p import os_threads
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.transfer.descriptors import Descriptors
 from vllm_kvp2p.transfer.timeouts import transport_timeouts
@@ -53,15 +54,18 @@ class MooncakeEngine:
         os.environ.update(timeouts.env)
         self.transfer_timeout = timeouts.transfer_timeout_s
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as exc:  # libibverbs1 missing is the usual cause on a fresh machine
-            raise TransferEngineError(
-                f"cannot import mooncake.engine ({exc}); install the Mooncake wheel for this platform "
-                "(pip install -e '.[cpu]' or '.[ascend]' from this package's checkout) and Debian's libibverbs1"
-            ) from exc
-        engine = TransferEngine()
-        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        # Mooncake starts threads when its module loads (its Go metadata client's runtime) and in initialize:
+        # they start here, under this name, and keep it (os_threads.py).
+        with os_threads.named(os_threads.MOONCAKE):
+            try:
+                from mooncake.engine import TransferEngine
+            except ImportError as exc:  # libibverbs1 missing is the usual cause on a fresh machine
+                raise TransferEngineError(
+                    f"cannot import mooncake.engine ({exc}); install the Mooncake wheel for this platform "
+                    "(pip install -e '.[cpu]' or '.[ascend]' from this package's checkout) and Debian's libibverbs1"
+                ) from exc
+            engine = TransferEngine()
+            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise TransferEngineError(
                 f"Mooncake initialize(host={host!r}, protocol={protocol!r}, device={device_name!r}) returned {rc}"

@@ -1,38 +1,53 @@
-"""In a real engine process the kernel can tell the connector's threads apart: Mooncake's transport threads are
-``kvp2p-mooncake``, P's side channel ``kvp2p-side`` (vllm_kvp2p/os_threads.py), not the process's name."""
+"""In a real engine process the kernel can tell the connector's threads apart: Mooncake's threads are
+``kvp2p-mooncake``, P's side channel ``kvp2p-side`` (vllm_kvp2p/os_threads.py), not the process's name.
+
+It runs in a fresh interpreter, as an engine process starts: Mooncake starts its threads when its module is
+imported and at its first engine's initialize (later engines of a process reuse them, and on Mooncake 0.3.11 start
+none), and this suite's other tests have imported it and made engines long before."""
 
 from __future__ import annotations
 
-import threading
-import time
+import json
+import subprocess
+import sys
+
+from vllm_kvp2p import os_threads
+
+PROBE = """
+import json, threading, time
 from collections import Counter
 from pathlib import Path
 
+def names():
+    return Counter(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
+
+before = names()
 from vllm_kvp2p import os_threads
 from vllm_kvp2p.protocol import ErrorReply
 from vllm_kvp2p.side_channel import SideChannelServer
 from vllm_kvp2p.testing.server import free_port
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 
-
-def _names() -> Counter[str]:
-    return Counter(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
+engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
+server = SideChannelServer("127.0.0.1", free_port(), lambda request: ErrorReply("no"))
+deadline = time.monotonic() + 5  # the side channel's thread names itself as it starts
+while (names() - before)["kvp2p-side"] < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+mine = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+print(json.dumps({"added": names() - before, "mine": mine, "current": os_threads.current_name()}))
+server.close()
+engine.close()
+"""
 
 
 def test_mooncake_and_the_side_channel_threads_carry_their_names() -> None:
-    before = _names()
-    engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout=5)
-    server = SideChannelServer("127.0.0.1", free_port(), lambda request: ErrorReply("no"))
-    try:
-        deadline = time.monotonic() + 5  # the side channel's thread names itself as it starts
-        while (added := _names() - before)[os_threads.SIDE_CHANNEL] < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert added[os_threads.MOONCAKE] >= 1, added  # Mooncake started its transport's threads under the name
-        assert added[os_threads.SIDE_CHANNEL] == 1, added
-        mine = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
-        assert os_threads.current_name() == mine not in (os_threads.MOONCAKE, ""), "the caller got its name back"
-        # The control: without os_threads the new threads would all carry the caller's name (Linux's inheritance).
-        assert added[mine] == 0, added
-    finally:
-        server.close()
-        engine.close()
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    added, mine = seen["added"], seen["mine"]
+    assert added.get(os_threads.MOONCAKE, 0) >= 1, added  # Mooncake's threads started under the name
+    assert added.get(os_threads.SIDE_CHANNEL, 0) == 1, added
+    assert seen["current"] == mine not in (os_threads.MOONCAKE, ""), seen  # the caller got its own name back
+    # The control: without os_threads every thread Mooncake starts would carry the caller's name (Linux's
+    # inheritance); none does.
+    assert added.get(mine, 0) == 0, added

@@ -89,11 +89,16 @@ def goodput(raw: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float:
 KV_CACHE_TOKENS = 32768
 
 
-def kv_cache_bytes(model: Path) -> int:
-    """Room for KV_CACHE_TOKENS tokens of this model's fp32 K and V (config.json of the model directory)."""
+def kv_bytes_per_token(model: Path) -> int:
+    """One token's fp32 K and V over every layer (config.json of the model directory)."""
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return KV_CACHE_TOKENS * 2 * 4 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+    return 2 * 4 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+
+
+def kv_cache_bytes(model: Path) -> int:
+    """Room for KV_CACHE_TOKENS tokens of this model."""
+    return KV_CACHE_TOKENS * kv_bytes_per_token(model)
 
 
 def _engine(model: Path, cpus: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> VllmServer:

@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_goodput import MODELS  # noqa: E402
+from bench_goodput import MODELS, kv_bytes_per_token  # noqa: E402
 from bench_serving import Router  # noqa: E402
 
 from vllm_kvp2p.testing.cluster import PDCluster  # noqa: E402
@@ -179,9 +179,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     cfg.write_text(json.dumps(LOGGING_CONFIG))
     env = {"VLLM_LOGGING_CONFIG_PATH": str(cfg), "VLLM_CONFIGURE_LOGGING": "1", **dict(args.env)}
     # Room for a few of the longest prompts in the KV cache (fp32 K and V of every layer).
-    spec = {"num_layers": 2, "kv_heads": 2, "head_dim": 64, **MODELS[args.model]}
-    per_token = 2 * 4 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"]
-    cache = max(64 * 2**20, 4 * longest * per_token)
+    cache = max(64 * 2**20, 4 * longest * kv_bytes_per_token(model))
     engine_args = ("--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(cache), *args.engine_arg)
     print(f"[timeline] logs in {log_dir}", file=sys.stderr)
     results = []

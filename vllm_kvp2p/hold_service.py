@@ -48,6 +48,9 @@ from vllm_kvp2p.lifecycle.producer import (
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.os_threads import run_named
 from vllm_kvp2p.protocol import (
+    Abandon,
+    Abandoned,
+    AbandonOutcome,
     Claim,
     ClaimStatus,
     DigestQuery,
@@ -136,13 +139,15 @@ class HoldService:
                     "authenticated" if auth is not None else "unauthenticated: anyone who reaches it may fetch the "
                     "registration, claim and release; set VLLM_KVP2P_SECRET, docs/security.md")
 
-    def hold(self, request_id: str, hold_id: str, num_blocks: int = 0, blocks: Sequence[Sequence[int]] = ()) -> None:
+    def hold(self, request_id: str, hold_id: str, num_blocks: int = 0, blocks: Sequence[Sequence[int]] = (),
+             mac: str = "") -> None:
         """``num_blocks``: every block vLLM keeps (the gauge); ``blocks``: those the params offer, per KV-cache group
-        (vllm_kvp2p/metadata.HoldOrder.offered), the only ones a reader of the hold is answered about."""
+        (vllm_kvp2p/metadata.HoldOrder.offered), the only ones a reader of the hold is answered about; ``mac``: the
+        params' signature ("" unsigned), what an abandon of the hold must carry."""
         logger.debug("KV hold %s (hold %s): %d blocks kept for a decoder", request_id, hold_id, num_blocks)
         offered = tuple(tuple(ids) for ids in blocks)
         with self._lock:
-            self.ledger.hold(request_id, hold_id, self._clock(), num_blocks, offered)
+            self.ledger.hold(request_id, hold_id, self._clock(), num_blocks, offered, mac)
             self._log_events()
 
     def take_freed(self) -> set[str]:
@@ -219,6 +224,13 @@ class HoldService:
                     )
                 if isinstance(message, Release):
                     return self._release(message, now, None)
+                if isinstance(message, Abandon):
+                    outcome, why = self.ledger.abandon(message.request_id, message.hold_id, message.mac, now)
+                    logger.debug("KV hold %s (hold %s): abandoned: %s %s", message.request_id, message.hold_id,
+                                 outcome.value, why)
+                    if outcome is AbandonOutcome.RELEASED and self._on_release is not None:
+                        self._on_release()
+                    return Abandoned(outcome, why)
                 return ErrorReply(f"unexpected message {type(message).__name__}")
             finally:
                 self._log_events()

@@ -23,6 +23,7 @@ class HoldOrder:
     num_blocks: int = 0  # every block vLLM keeps for it (all groups): the blocks-held gauge
     # The blocks the params offer, per KV-cache group (remote_block_ids): all a reader may ask P's sums of.
     offered: tuple[tuple[int, ...], ...] = ()
+    mac: str = ""  # the params' signature ("" unsigned): an abandon of the hold must carry it
 
 
 @dataclass

@@ -345,10 +345,40 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     message: Reason  # a server cuts its own to this (vllm_kvp2p/side_channel.py)
 
 
-Request = Union[GetRegistration, GetRankTable, Claim, Renew, Release]
-Reply = Union[Registration, RankTable, ClaimReply, Ack, Released, ErrorReply]
+class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
+    """Whoever holds a hold's params will not deliver them to a decoder (the proxy: D refused the request before
+    its engine, D was unreachable, the client left): P may free the hold now instead of at ``hold_timeout``. P
+    frees it only if no reader has claimed or released it yet (a reader that did is D's engine at work, and its own
+    release ends the hold); otherwise the abandon changes nothing. Authorised by the params themselves: their hold
+    id (random per hold) and, when P signed them, their ``mac``, which P compares with the one it issued. So it
+    may come unsealed from a sender without the shared secret (vllm_kvp2p/side_channel.py): only who holds the
+    params can abandon their hold, and abandoning the same hold twice changes nothing."""
+
+    request_id: OptionalId
+    hold_id: OptionalId
+    mac: OptionalId = ""  # the params' mac ("" for params P did not sign)
+
+
+class AbandonOutcome(str, Enum):
+    RELEASED = "released"  # P freed the hold
+    REMEMBERED = "remembered"  # P has not heard of the hold yet (it learns one an engine step late): freed on arrival
+    IN_USE = "in_use"  # a reader claimed or released it: D's engine has the request, its release ends the hold
+    ENDED = "ended"  # already released or expired
+    REFUSED = "refused"  # the params do not match the hold (another hold id, a wrong mac), or a bound was hit
+
+
+class Abandoned(msgspec.Struct, frozen=True, tag="abandoned"):
+    """P's answer to an :class:`Abandon`."""
+
+    outcome: AbandonOutcome
+    reason: Reason = ""
+
+
+Request = Union[GetRegistration, GetRankTable, Claim, Renew, Release, Abandon]
+Reply = Union[Registration, RankTable, ClaimReply, Ack, Released, ErrorReply, Abandoned]
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
+_abandon_decoder = msgspec.msgpack.Decoder(Abandon)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -359,6 +389,11 @@ def encode(message: Request | Reply) -> bytes:
 
 def decode_request(data: bytes) -> Request:
     return _request_decoder.decode(data)
+
+
+def decode_abandon(data: bytes) -> Abandon:
+    """An :class:`Abandon` and nothing else: the one request P takes unsealed when it has a shared secret."""
+    return _abandon_decoder.decode(data)
 
 
 def decode_reply(data: bytes) -> Reply:

@@ -282,7 +282,7 @@ class SchedulerSide:
         params = remote.to_params()
         # Queued last: if anything above raised, no hold order is left without params (vLLM frees the blocks).
         self._holds.append(HoldOrder(request.request_id, hold_id, sum(len(ids) for ids in block_ids),
-                                     tuple(tuple(ids) for ids in offered)))
+                                     tuple(tuple(ids) for ids in offered), remote.mac))
         self._siblings.remember(request.request_id, num_tokens, digest, params)
         return True, params
 

@@ -4,7 +4,9 @@ Only bytes move here; :mod:`vllm_kvp2p.protocol` defines what they mean and the 
 answer. Every call is bounded by a timeout, and a socket that timed out is thrown away (a REQ socket that missed
 a reply cannot be reused). With a shared secret (:class:`~vllm_kvp2p.auth.Authenticator`) every frame both ways
 is sealed; a request that fails to open reaches no handler (no registration, claim, release or table entry), is
-answered with a plain error (:data:`UNAUTHENTICATED_REQUEST`) and counted in :attr:`SideChannelServer.dropped`.
+answered with a plain error (:data:`UNAUTHENTICATED_REQUEST`) and counted in :attr:`SideChannelServer.dropped`;
+the one exception is an unsealed :class:`~vllm_kvp2p.protocol.Abandon`, which the params it names authorise (their
+hold id and mac: the proxy has the params, not the secret) and which is answered unsealed.
 A client that gets that error, or a reply that fails to open, raises :class:`Unauthenticated`: the peer is up,
 only the secrets (or the clocks) do not agree.
 """
@@ -213,6 +215,9 @@ class SideChannelServer:
             try:
                 payload, nonce = self._auth.open_request(payload, _now_ms(), self._replays)
             except AuthError as exc:
+                abandon = _plain_abandon(payload)
+                if abandon is not None:  # authorised by the params it names (protocol.Abandon), answered unsealed
+                    return self._plain_answer(abandon)
                 self.dropped["unauthenticated"] += 1
                 count = self.dropped["unauthenticated"]
                 if count in (1, 10, 100, 1000) or count % 10000 == 0:  # a flood must not flood the log
@@ -237,6 +242,19 @@ class SideChannelServer:
             self.dropped["deferred_full"] += 1
             reply = ErrorReply(f"{MAX_DEFERRED} requests already waiting for their answers: try again")
         return self._sealed(reply, nonce)
+
+    def _plain_answer(self, abandon: protocol.Abandon) -> bytes:
+        """An unsealed :class:`~vllm_kvp2p.protocol.Abandon` (its sender has the params, not the secret): handled
+        at once, answered unsealed."""
+        try:
+            reply = self._handler(abandon)
+        except Exception as exc:  # a handler bug must not kill the server thread
+            logger.exception("side-channel handler failed on an unsealed Abandon")
+            self.dropped["handler_error"] += 1
+            reply = _error(f"{type(exc).__name__}: {exc}")
+        if isinstance(reply, Future):  # an abandon is never deferred; a handler that did is a bug
+            reply = _error("an abandon's answer was deferred")
+        return protocol.encode(reply)
 
     def _sealed(self, reply: Reply, nonce: bytes) -> bytes:
         data = protocol.encode(reply)
@@ -393,6 +411,14 @@ class SideChannelClient:
 def _error(text: str) -> ErrorReply:
     """A server's own error, cut to what a client decodes (protocol.MAX_REASON_LENGTH)."""
     return ErrorReply(text[: protocol.MAX_REASON_LENGTH])
+
+
+def _plain_abandon(data: bytes) -> protocol.Abandon | None:
+    """The frame as an unsealed :class:`~vllm_kvp2p.protocol.Abandon`, else None (nothing else is taken unsealed)."""
+    try:
+        return protocol.decode_abandon(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def _plain_error(data: bytes) -> str:

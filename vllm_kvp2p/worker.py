@@ -332,7 +332,7 @@ class WorkerSide:
     def start_load_kv(self, metadata: KVP2PMetadata) -> None:
         if self.hold_service is not None:
             for order in metadata.holds:
-                self.hold_service.hold(order.request_id, order.hold_id, order.num_blocks, order.offered)
+                self.hold_service.hold(order.request_id, order.hold_id, order.num_blocks, order.offered, order.mac)
         if self.pull_loop is not None:
             for plan in metadata.pulls:
                 self.pull_loop.submit(plan)

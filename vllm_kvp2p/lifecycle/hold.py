@@ -106,6 +106,7 @@ class Hold:
     created: float
     num_blocks: int = 0  # every block vLLM keeps for it, all groups (the blocks-held gauge)
     blocks: Blocks = ()  # the blocks offered to decoders, per group: the only ones a reader may ask P about
+    mac: str = ""  # the mac of the params P issued for it ("" unsigned): what an abandon must carry
     state: HoldState = HoldState.HELD
     expected_readers: int = 1
     leases: dict[str, Lease] = field(default_factory=dict)  # reader -> its live lease
@@ -120,6 +121,11 @@ class Hold:
 
     def knows(self, reader: str) -> bool:
         return reader in self.leases or reader in self.released_by
+
+    @property
+    def untouched(self) -> bool:
+        """No reader has claimed or released it: no D engine has started on it (an abandon may free it)."""
+        return not self.leases and not self.released_by
 
     @property
     def num_readers(self) -> int:

@@ -1,8 +1,9 @@
 """P side: the life of a finished prompt's blocks on one P worker. Pure: no sockets, threads, clocks or torch.
 
     hold ──▶ HELD ──claim──▶ CLAIMED ──all readers released──▶ RELEASED
-               │                │
-               └─hold timeout─▶ EXPIRED ◀─lease timeout (not renewed)─┘
+               │ │              │                                  ▲
+               │ └─hold timeout─▶ EXPIRED ◀─lease timeout (not renewed)─┘
+               └────────abandon (no reader has touched it)─────────┘
 
 * A hold is created when vLLM finishes a prefill whose KV a decoder will pull (``request_finished`` returned
   delay-free). Its blocks stay allocated until it is RELEASED or EXPIRED; then the request id is reported to vLLM
@@ -12,6 +13,12 @@
   replayed or late ``kv_transfer_params`` can never read blocks that were freed and reused: P refuses, D recomputes.
 * Requests are freed once every reader it was told to expect has released. A release that arrives before P has
   heard of the hold (D had nothing to pull and was quick) is remembered and applied when the hold arrives.
+* An abandon (``protocol.Abandon``) comes from whoever holds the hold's params and will deliver them to no
+  decoder (the proxy, when D refused the request before its engine, could not be reached, or the client left):
+  it frees a hold no reader has claimed or released, so such a hold lasts seconds, not ``hold_timeout``. A hold a
+  reader touched is D's engine at work and ends with that reader's release; an abandon then changes nothing. It
+  must name the hold id and carry the mac P signed the params with (the params are the authority), and one that
+  arrives before the hold is remembered like an early release.
 * Nothing here raises on a protocol violation from a peer; it answers with a refusal or ignores, and says why.
 * A hold is known by its request id **and** its hold id (random per hold): a request id that comes back (reused by
   a client, or a collision of vLLM's random suffix) gets a hold of its own, and every delayed free is reported
@@ -57,7 +64,7 @@ from dataclasses import dataclass
 from vllm_kvp2p.lifecycle import release_answers as answers
 from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
 from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
-from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, ClaimReply, ClaimStatus
+from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, AbandonOutcome, ClaimReply, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 MAX_HOLDS = 65536
@@ -79,9 +86,12 @@ class LedgerEvent:
 
 @dataclass(frozen=True)
 class _EarlyRelease:
+    """What arrived for a hold before P heard of it: readers' releases, or an abandon (the mac it carried)."""
+
     readers: frozenset[str]
     expected_readers: int
     until: float
+    abandon_mac: str | None = None  # an abandon came first (None: none did)
 
 
 class ProducerLedger:
@@ -164,8 +174,10 @@ class ProducerLedger:
 
     # ------------------------------------------------------------------ events from vLLM
 
-    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0, blocks: Blocks = ()) -> None:
-        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder, offering ``blocks`` (per group)."""
+    def hold(self, request_id: str, hold_id: str, now: float, num_blocks: int = 0, blocks: Blocks = (),
+             mac: str = "") -> None:
+        """vLLM kept ``request_id``'s ``num_blocks`` blocks for a decoder, offering ``blocks`` (per group) in params
+        signed with ``mac`` ("" unsigned)."""
         key = (request_id, hold_id)
         if key in self._holds or key in self._tombstones:
             self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
@@ -177,17 +189,19 @@ class ProducerLedger:
             self._refuse(request_id, "holds_over_limit", f"{len(self._holds) + 1} holds, more than max_holds="
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
-                     created=now, num_blocks=max(0, num_blocks), blocks=blocks)
+                     created=now, num_blocks=max(0, num_blocks), blocks=blocks, mac=mac)
         self._holds[key] = hold
         self.tally["created"] += 1
         self.blocks_held += hold.num_blocks
         self._live_ids.setdefault(request_id, set()).add(hold_id)
         self._due_by(hold, hold.hold_deadline)
         early = self._early.pop(key, None)
-        if early is not None:
+        if early is not None and early.readers:
             hold.expected_readers = early.expected_readers
             hold.released_by |= early.readers
             self._maybe_release(hold, "released before the hold arrived")
+        elif early is not None and early.abandon_mac is not None:
+            self._apply_abandon(hold, early.abandon_mac, "before the hold arrived")
 
     # ------------------------------------------------------------------ events from decoders
 
@@ -275,6 +289,51 @@ class ProducerLedger:
             self.counters["lease_cut_to_deadline"] += 1
         hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
+
+    def abandon(self, request_id: str, hold_id: str, mac: str, now: float) -> tuple[AbandonOutcome, str]:
+        """The holder of the hold's params will deliver them to no decoder (vllm_kvp2p/protocol.Abandon): free the
+        hold now if no reader has touched it. ``mac``: the params' (what P issued with the hold; "" unsigned). A
+        hold P has not heard of yet is remembered like an early release and freed when it arrives. Returns the
+        outcome and why."""
+        bad = self._bad_ids(request_id, hold_id, "")
+        if bad:
+            return AbandonOutcome.REFUSED, bad
+        key = (request_id, hold_id)
+        hold = self._holds.get(key)
+        if hold is not None:
+            return self._apply_abandon(hold, mac, "")
+        final = self._tombstones.get(key)
+        if final is not None:
+            return AbandonOutcome.ENDED, f"hold already {final.value}"
+        if self._live_ids.get(request_id):
+            self._refuse(request_id, "abandon_refused", "abandon refused: stale hold id")
+            return AbandonOutcome.REFUSED, "hold id does not match (stale transfer params)"
+        prev = self._early.get(key)
+        if prev is not None and prev.readers:
+            return AbandonOutcome.IN_USE, "a reader released it before P heard of it"
+        if prev is None and len(self._early) >= self.max_early_releases:
+            self._drop_expired_early(now)
+        if prev is None and len(self._early) >= self.max_early_releases:
+            self._refuse(request_id, "early_release_table_full", f"abandon before the hold not kept: "
+                         f"{self.max_early_releases} early releases already waiting (the hold then waits for "
+                         "hold_timeout)")
+            return AbandonOutcome.REFUSED, "too many early releases waiting"
+        self._early.pop(key, None)  # re-inserted at the end: the table stays ordered by expiry
+        self._early[key] = _EarlyRelease(frozenset(), 1, now + self.early_release_ttl, abandon_mac=mac)
+        return AbandonOutcome.REMEMBERED, "P has not heard of the hold yet: freed when it arrives"
+
+    def _apply_abandon(self, hold: Hold, mac: str, when: str) -> tuple[AbandonOutcome, str]:
+        if not secrets.compare_digest(mac.encode(), hold.mac.encode()):
+            self._refuse(hold.request_id, "abandon_refused", f"abandon refused{' ' + when if when else ''}: its mac "
+                         "is not the one P signed the hold's params with")
+            return AbandonOutcome.REFUSED, "the mac does not match the hold's params"
+        if not hold.untouched:
+            self._event(hold.request_id, "abandon ignored: a reader claimed or released the hold (its release ends it)")
+            return AbandonOutcome.IN_USE, "a reader claimed or released the hold"
+        self.tally["abandoned"] += 1
+        self._finish(hold, HoldState.RELEASED, "abandoned by the holder of its params" + (f" ({when})" if when else "")
+                     + ": no decoder will claim it")
+        return AbandonOutcome.RELEASED, ""
 
     def verifiable_units(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str,
                          planes: Sequence[PlaneGeometry], plane_groups: Sequence[int]) -> HeldUnits | None:

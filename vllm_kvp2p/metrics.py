@@ -52,7 +52,8 @@ FAILURES = "failures"  # {kind: n}
 HOLDS = "holds"  # {counter: n}
 DROPPED = "dropped"  # {reason: n}
 GAUGES = "gauges"  # {rank: {"blocks_held": int, "oldest_hold_age": float}}, latest per rank
-HOLD_COUNTERS = ("created", "released", "expired", "claims_refused")
+# "abandoned": of the released, those freed by an abandon (protocol.Abandon: no decoder would ever claim them).
+HOLD_COUNTERS = ("created", "released", "expired", "claims_refused", "abandoned")
 INTEGRITY = "integrity"  # {counter: n}: D's good pulls by integrity outcome (PullResult.integrity)
 # Digests matched / P gave none (an older P, a question P did not answer) / P had answered the release, but that
 # answer was lost and P no longer kept it for the resent copy D got (Released.sums_lost).
@@ -173,9 +174,10 @@ class Kvp2pStats(KVConnectorStats):
         """D: one pull failed (kinds: ``lifecycle.consumer.Failure`` values)."""
         _add_counts(self.data[FAILURES], {str(kind): 1})
 
-    def record_holds(self, created: int = 0, released: int = 0, expired: int = 0, claims_refused: int = 0) -> None:
+    def record_holds(self, created: int = 0, released: int = 0, expired: int = 0, claims_refused: int = 0,
+                     abandoned: int = 0) -> None:
         """P: hold-ledger events since the last call."""
-        for name, n in zip(HOLD_COUNTERS, (created, released, expired, claims_refused)):
+        for name, n in zip(HOLD_COUNTERS, (created, released, expired, claims_refused, abandoned)):
             self.data[HOLDS][name] += int(n)
 
     def record_dropped(self, reason: str, n: int) -> None:
@@ -328,7 +330,14 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
             "vllm:kvp2p_claim_rtt_seconds", "Round trip of D's claim on P's side channel.", LATENCY_BUCKETS
         )
         self.holds_created = counter("vllm:kvp2p_holds_created", "Prompts whose KV blocks P held for a decoder.")
-        self.holds_released = counter("vllm:kvp2p_holds_released", "Holds freed because their decoder released them.")
+        self.holds_released = counter(
+            "vllm:kvp2p_holds_released", "Holds freed because their decoder released them, or because the holder of "
+            "their params abandoned them (vllm:kvp2p_holds_abandoned counts those)."
+        )
+        self.holds_abandoned = counter(
+            "vllm:kvp2p_holds_abandoned", "Of the holds released, those freed by an abandon: the proxy will deliver "
+            "their params to no decoder (D refused the request before its engine or was unreachable; the client left)."
+        )
         self.holds_expired = counter("vllm:kvp2p_holds_expired", "Holds freed at hold or lease expiry.")
         self.claims_refused = counter("vllm:kvp2p_claims_refused", "Claims P's side channel refused.")
         self.pulls_verified = counter(
@@ -384,7 +393,8 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].observe(value)
         holds = data.get(HOLDS) or {}
         for metric, name in zip(
-            (self.holds_created, self.holds_released, self.holds_expired, self.claims_refused), HOLD_COUNTERS
+            (self.holds_created, self.holds_released, self.holds_expired, self.claims_refused, self.holds_abandoned),
+            HOLD_COUNTERS,
         ):
             if holds.get(name):
                 metric[engine_idx].inc(holds[name])

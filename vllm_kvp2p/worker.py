@@ -373,7 +373,7 @@ class WorkerSide:
             if self.hold_service is not None:
                 tally, dropped, blocks_held, oldest = self.hold_service.take_metrics()
                 self._stats.record_holds(tally.get("created", 0), tally.get("released", 0), tally.get("expired", 0),
-                                         tally.get("claims_refused", 0))
+                                         tally.get("claims_refused", 0), tally.get("abandoned", 0))
                 for reason, n in dropped.items():
                     self._stats.record_dropped(reason, n)
                 self._stats.set_gauges(f"{self.dp_rank}.{self.rank}", blocks_held, oldest)

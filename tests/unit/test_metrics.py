@@ -322,7 +322,7 @@ def test_prometheus_names_labels_and_values() -> None:
     registry = CollectorRegistry()
     prom = fresh_prom(config("Kvp2pStandIn"), registry, engines=(0, 1))
     s = d_stats()
-    s.record_holds(created=2, released=1, expired=1, claims_refused=1)
+    s.record_holds(created=2, released=1, expired=1, claims_refused=1, abandoned=1)
     s.record_dropped("undecodable", 2)
     for outcome in ("verified", "verified", "unverified", "sums_lost"):
         s.record_integrity(outcome)
@@ -340,6 +340,7 @@ def test_prometheus_names_labels_and_values() -> None:
         "vllm:kvp2p_holds_released", "vllm:kvp2p_holds_expired", "vllm:kvp2p_claims_refused",
         "vllm:kvp2p_side_channel_dropped", "vllm:kvp2p_blocks_held", "vllm:kvp2p_oldest_hold_age_seconds",
         "vllm:kvp2p_pulls_verified", "vllm:kvp2p_pulls_unverified", "vllm:kvp2p_pulls_sums_lost",
+        "vllm:kvp2p_holds_abandoned",
     }  # fmt: skip
     assert value("vllm:kvp2p_pull_seconds_count") == 2 and value("vllm:kvp2p_pull_seconds_sum") == pytest.approx(0.4)
     assert value("vllm:kvp2p_pull_seconds_count", engine="0") == 0  # the other engine's series is untouched
@@ -350,7 +351,7 @@ def test_prometheus_names_labels_and_values() -> None:
     assert value("vllm:kvp2p_pull_failures_total", reason="refused") == 0  # known reasons exported from the start
     assert value("vllm:kvp2p_side_channel_dropped_total", reason="undecodable") == 2
     assert [value(f"vllm:kvp2p_{n}_total") for n in ("holds_created", "holds_released", "holds_expired")] == [2, 1, 1]
-    assert value("vllm:kvp2p_claims_refused_total") == 1
+    assert value("vllm:kvp2p_claims_refused_total") == 1 and value("vllm:kvp2p_holds_abandoned_total") == 1
     assert value("vllm:kvp2p_pulls_verified_total") == 2 and value("vllm:kvp2p_pulls_unverified_total") == 1
     assert value("vllm:kvp2p_pulls_sums_lost_total") == 1  # its own counter, not folded into unverified
     assert value("vllm:kvp2p_pull_failures_total", reason="corrupted") == 0  # a mismatch is a failure of its kind

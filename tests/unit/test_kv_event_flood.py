@@ -241,3 +241,124 @@ def test_a_replay_is_applied_as_it_arrives_and_keeps_the_loop_running() -> None:
         pub.close(linger=0)
         router.close(linger=0)
         ctx.term()
+
+
+# -- an event's type is read from its tag, never by decoding its body (issue 45, item 4) ----------------------
+
+#: What decoding one hostile message may allocate: the tag, the batch's list of raw events, one event's fields.
+#: Before, an unknown event was decoded whole to learn its type: a 4 MiB body of nested lists allocated ~300 MiB.
+MAX_DECODE_ALLOC = 2 * 2**20
+#: Just under one message's bound.
+BODY_ITEMS = 4 * 2**20 - 256
+
+
+def unknown_event(form: str) -> object:
+    """A future vLLM event type with a large body: ~4M nested empty lists (the costliest msgpack to decode whole:
+    ~2 s and ~300 MiB of Python objects in one C call)."""
+    body = [[]] * BODY_ITEMS
+    return {"type": "BlockPinned", "body": body} if form == "map" else ["BlockPinned", body]
+
+
+def decode_alloc(payload: bytes) -> tuple[object, int]:
+    """``decode_message``'s result (or its BadEvents) and the bytes it allocated at its peak."""
+    tracemalloc.start()
+    try:
+        try:
+            result: object = decode_message([b"", seq(1), payload])
+        except BadEvents as exc:
+            result = exc
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_an_unknown_event_type_is_skipped_by_its_tag_without_decoding_its_body(form: str) -> None:
+    payload = msgspec.msgpack.encode([0.0, [unknown_event(form), {"type": "AllBlocksCleared"}], None])
+    batch, peak = decode_alloc(payload)
+    assert not isinstance(batch, BadEvents), batch
+    assert batch.unknown == 1 and len(batch.events) == 1  # skipped and counted; the known one kept
+    assert peak < MAX_DECODE_ALLOC, f"decoding allocated {peak >> 20} MiB"
+
+
+def test_a_known_event_with_a_large_extra_keys_body_is_not_decoded_whole() -> None:
+    """vLLM's ``extra_keys`` (one entry per block: a LoRA name, multimodal ids, a cache salt) is all the proxy needs
+    to know is non-empty; a hostile 4 MiB of nested entries must not be built as Python objects."""
+    event = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1] * BS,
+             "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [[[]]] * (BODY_ITEMS // 2)}
+    batch, peak = decode_alloc(msgspec.msgpack.encode([0.0, [event], None]))
+    assert not isinstance(batch, BadEvents), batch
+    (stored,) = batch.events
+    assert isinstance(stored, BlocksStored) and stored.has_extra_keys
+    assert peak < MAX_DECODE_ALLOC, f"decoding allocated {peak >> 20} MiB"
+    # Entries that are all None or empty are no extra keys (vLLM writes None per block without any).
+    plain = {**event, "extra_keys": [None, []] * 8}
+    (stored,) = decode_message([b"", seq(1), msgspec.msgpack.encode([0.0, [plain], None])]).events
+    assert isinstance(stored, BlocksStored) and not stored.has_extra_keys
+
+
+@pytest.mark.parametrize("what", ["events", "block_hashes"])
+def test_lists_over_their_bound_are_refused_before_they_are_decoded(what: str) -> None:
+    event = {"type": "BlockRemoved", "block_hashes": [[]] * BODY_ITEMS if what == "block_hashes" else [1],
+             "medium": None}
+    events = [[]] * BODY_ITEMS if what == "events" else [event]
+    batch, peak = decode_alloc(msgspec.msgpack.encode([0.0, events, None]))
+    assert isinstance(batch, BadEvents) and len(str(batch)) < 500
+    assert peak < MAX_DECODE_ALLOC, f"decoding allocated {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize("event", [
+    {"body": [1], "type": "BlockPinned"},  # msgspec (vLLM's encoder) writes a tagged struct's tag first
+    {},
+    [],
+    [7, "BlockStored"],
+    {"type": 3},
+], ids=["tag-not-first", "empty-map", "empty-array", "tag-not-a-string", "type-not-a-string"])
+def test_an_event_without_its_type_tag_first_is_refused(event: object) -> None:
+    with pytest.raises(BadEvents, match="type"):
+        decode_message([b"", seq(1), msgspec.msgpack.encode([0.0, [event], None])])
+
+
+def test_large_unknown_events_do_not_stall_the_event_loop() -> None:
+    """The finding: three 4 MiB messages of an unknown event type stalled the proxy's loop ~2 s each (the decoding
+    thread held the GIL in one C call). Now their type is read from the tag and the body skipped unread."""
+    messages = 3
+    ctx = zmq.Context()
+    pub_ep = f"tcp://127.0.0.1:{free_port()}"
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100)
+    pub.bind(pub_ep)
+    pool = InstancePool(["http://p"], policy=Policy.PREFIX_AWARE, events=[(pub_ep, None)])
+    inst = pool.instances[0]
+    payload = msgspec.msgpack.encode([0.0, [unknown_event("array")], None])
+    assert len(payload) <= 4 * 2**20
+
+    async def scenario() -> float:
+        actx = zmq.asyncio.Context()
+        feed = KVEventFeed(actx, pool, inst, make_hasher("sha256"))
+        task = asyncio.create_task(feed.run())
+        for _ in range(200):  # until the subscription has joined
+            pub.send_multipart([b"", seq(0), msgspec.msgpack.encode([0.0, [], None])])
+            await asyncio.sleep(0.02)
+            if inst.cache.last_seq is not None:
+                break
+        assert inst.cache.last_seq == 0
+        ticker = Ticker()
+        for n in range(1, messages + 1):
+            pub.send_multipart([b"", seq(n), payload])
+        await wait_until(lambda: inst.cache.last_seq == messages, 60, "the big messages were never applied")
+        await ticker.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        actx.destroy(linger=0)
+        print(f"{messages} unknown events of {len(payload) >> 10} KiB: loop's longest stall "
+              f"{ticker.max_gap * 1000:.0f} ms")
+        assert inst.cache.bad_messages == 0
+        return ticker.max_gap
+
+    try:
+        assert asyncio.run(scenario()) < MAX_TICK_GAP_S
+    finally:
+        pub.close(linger=0)
+        ctx.term()

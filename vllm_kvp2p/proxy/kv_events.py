@@ -17,6 +17,13 @@ Everything here is hostile-input safe: a frame larger than :data:`MAX_PAYLOAD_BY
 a wrong shape or type all give one :class:`BadEvents` with a short reason; event types this version does not know
 are skipped and counted.
 
+No part of a message is decoded into Python objects before its size is known to be within those bounds, and an
+event's type is read from its tag alone (:func:`event_tag`: O(the tag), whatever the body), so an event of a type
+this proxy does not know (a future vLLM's, or a hostile one) is skipped unread. Before, such an event was decoded
+whole to learn its type: 4 MiB of nested lists held the GIL for ~2 s and allocated ~300 MiB (issue 45, item 4).
+msgspec, which vLLM's events are encoded with, writes a tagged struct's tag first (the first key ``"type"`` of the
+map form, the first element of the array form); an event without its tag there is refused.
+
 Only what routing uses is kept: the block keys, and the first block's token ids of a prompt's first block (what
 :meth:`~vllm_kvp2p.proxy.block_hashes.PromptHasher.check` compares). A ``BlockStored`` of a 64k-token prompt carries
 all 64k token ids; they are skipped undecoded (``msgspec.Raw``), so decoding costs O(hashes), not O(tokens), and no
@@ -25,7 +32,9 @@ single C call (which holds the GIL, see :mod:`kv_event_feed`) lasts long.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
@@ -42,6 +51,10 @@ MAX_CHECKED_BLOCK_TOKENS = 65_536
 #: The seq of the replay socket's end-of-replay marker.
 END_OF_REPLAY = -1
 _KEY_MASK = (1 << 64) - 1
+#: The event types this decoder knows, by their tag's bytes.
+KNOWN_TYPES = frozenset({b"BlockStored", b"BlockRemoved", b"AllBlocksCleared"})
+#: A longer tag names no type known here: counted unknown without reading it.
+MAX_TAG_BYTES = 64
 
 BlockKey = int
 
@@ -57,8 +70,12 @@ def block_key(block_hash: bytes | int) -> BlockKey:
     return int.from_bytes(block_hash, "big") & _KEY_MASK
 
 
+# msgspec checks a list's length from its header, before decoding any element: a longer one costs nothing.
+_Hashes = Annotated[list[bytes | int], msgspec.Meta(max_length=MAX_HASHES)]
+
+
 class _Stored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[bytes | int]
+    block_hashes: _Hashes
     parent_block_hash: bytes | int | None
     # Skipped, not decoded: only the first block's ids are read (see _first_tokens).
     token_ids: msgspec.Raw
@@ -66,12 +83,13 @@ class _Stored(msgspec.Struct, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[object] | None = None
+    # One entry per block (vLLM: a tuple of keys, or None): only whether any is non-empty counts (_has_extra_keys).
+    extra_keys: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"\xc0"))  # nil when absent
     group_idx: int | None = None
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
+    block_hashes: _Hashes
     medium: str | None = None
     group_idx: int | None = None
 
@@ -96,14 +114,13 @@ class _ClearedArray(_Cleared, array_like=True, tag="AllBlocksCleared"):
 
 class _Batch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[msgspec.Raw]
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS)]
     data_parallel_rank: int | None = None
 
 
 _batch_decoder = msgspec.msgpack.Decoder(_Batch)
 _map_event_decoder = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
 _array_event_decoder = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
-_any = msgspec.msgpack.Decoder()
 _token_list = msgspec.msgpack.Decoder(list[int])
 
 
@@ -175,19 +192,15 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
         batch = _batch_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise BadEvents(f"not a KV event batch: {exc}") from None
-    if len(batch.events) > MAX_EVENTS:
-        raise BadEvents(f"{len(batch.events)} events in one batch exceeds {MAX_EVENTS}")
     events: list[Event] = []
     unknown = keys = 0
     for raw in batch.events:
+        if event_tag(raw) not in KNOWN_TYPES:
+            unknown += 1  # a type this proxy does not know: its body is never read
+            continue
         decoder = _array_event_decoder if _is_array(raw) else _map_event_decoder
         try:
             event = decoder.decode(raw)
-        except msgspec.ValidationError as exc:
-            if _is_unknown_type(raw):
-                unknown += 1
-                continue
-            raise BadEvents(f"malformed event: {exc}") from None
         except msgspec.MsgspecError as exc:
             raise BadEvents(f"malformed event: {exc}") from None
         converted = _convert(event)
@@ -205,25 +218,61 @@ def _is_array(raw: msgspec.Raw) -> bool:
     return bool(first) and (0x90 <= first[0] <= 0x9F or first[0] in (0xDC, 0xDD))
 
 
-def _is_unknown_type(raw: msgspec.Raw) -> bool:
-    try:
-        value = _any.decode(raw)
-    except msgspec.MsgspecError:
-        return False
-    if isinstance(value, dict):
-        kind = value.get("type")
-    elif isinstance(value, list) and value:
-        kind = value[0]
+def _header(buf: memoryview, at: int, fix: tuple[int, int], sized: dict[int, int]) -> tuple[int, int] | None:
+    """A msgpack container or string header at ``at``: (its length, where its content starts), or None when the
+    byte there is another kind. ``fix``: the fix form's first byte and mask; ``sized``: 8/16/32-bit forms' first
+    bytes -> their length's bytes."""
+    if at >= len(buf):
+        return None
+    head = buf[at]
+    if fix[0] <= head <= fix[0] | fix[1]:
+        return head & fix[1], at + 1
+    width = sized.get(head)
+    if width is None or at + 1 + width > len(buf):
+        return None
+    return int.from_bytes(buf[at + 1 : at + 1 + width], "big"), at + 1 + width
+
+
+_MAP = ((0x80, 0x0F), {0xDE: 2, 0xDF: 4})
+_ARRAY = ((0x90, 0x0F), {0xDC: 2, 0xDD: 4})
+_STR = ((0xA0, 0x1F), {0xD9: 1, 0xDA: 2, 0xDB: 4})
+
+
+def _string(buf: memoryview, at: int) -> tuple[bytes, int] | None:
+    """The msgpack string at ``at`` (only its first :data:`MAX_TAG_BYTES` + 1 bytes: longer names no known type)
+    and where it ends, or None when there is none."""
+    header = _header(buf, at, *_STR)
+    if header is None:
+        return None
+    size, start = header
+    if start + size > len(buf):
+        return None
+    return buf[start : start + min(size, MAX_TAG_BYTES + 1)].tobytes(), start + size
+
+
+def event_tag(raw: msgspec.Raw) -> bytes:
+    """An event's type, read from its tag alone: the first element of vLLM 0.23's array form, the value of the
+    first key, ``"type"``, of vLLM 0.32's map form (msgspec writes a tagged struct's tag first). O(the tag),
+    whatever the event's body; :class:`BadEvents` when the tag is not there."""
+    buf = memoryview(raw)
+    if (header := _header(buf, 0, *_ARRAY)) is not None:
+        length, at = header
+        tag = _string(buf, at) if length else None
+    elif (header := _header(buf, 0, *_MAP)) is not None:
+        length, at = header
+        key = _string(buf, at) if length else None
+        tag = _string(buf, key[1]) if key is not None and key[0] == b"type" else None
     else:
-        return False
-    return isinstance(kind, str) and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+        raise BadEvents("an event that is neither a map nor an array: no type tag")
+    if tag is None:
+        raise BadEvents("an event without its type tag first (a string: the map's first key \"type\" or the "
+                        "array's first element)")
+    return tag[0]
 
 
 def _convert(event: _Stored | _Removed | _Cleared) -> Event:  # the array variants are subclasses
     if isinstance(event, _Cleared):
         return AllCleared()
-    if len(event.block_hashes) > MAX_HASHES:
-        raise BadEvents(f"{len(event.block_hashes)} block hashes in one event exceeds {MAX_HASHES}")
     keys = tuple(block_key(h) for h in event.block_hashes)
     if isinstance(event, _Removed):
         return BlocksRemoved(keys, event.medium, event.group_idx)
@@ -231,7 +280,7 @@ def _convert(event: _Stored | _Removed | _Cleared) -> Event:  # the array varian
         raise BadEvents("BlockStored without block hashes")
     if not 0 < event.block_size <= 1_048_576:
         raise BadEvents(f"block_size {event.block_size} out of range")
-    extra = bool(event.lora_name or event.lora_id or (event.extra_keys and any(k for k in event.extra_keys)))
+    extra = bool(event.lora_name or event.lora_id or _has_extra_keys(event.extra_keys))
     checked = event.parent_block_hash is None and not extra and event.block_size <= MAX_CHECKED_BLOCK_TOKENS
     tokens = _first_tokens(event.token_ids, event.block_size if checked else 0)
     return BlocksStored(
@@ -245,6 +294,25 @@ def _convert(event: _Stored | _Removed | _Cleared) -> Event:  # the array varian
         medium=event.medium,
         group_idx=event.group_idx,
     )
+
+
+# Elements that are msgpack nil or the empty array: blocks without extra keys (matched in C, nothing copied).
+_NO_KEYS = re.compile(rb"[\xc0\x90]*")
+
+
+def _has_extra_keys(raw: msgspec.Raw) -> bool:
+    """Whether vLLM's ``extra_keys`` (nil, or an array of one entry per block: nil or a tuple of keys) holds any
+    key, without decoding it: an array whose every element is one byte, nil or ``[]``, holds none; anything else
+    (a non-empty entry, or not the shape vLLM writes) counts as extra keys, so the block is not hash-checked.
+    O(its bytes) in C."""
+    buf = memoryview(raw)
+    if buf[:1] == b"\xc0":
+        return False
+    header = _header(buf, 0, *_ARRAY)
+    if header is None:
+        return True
+    length, start = header
+    return len(buf) - start != length or _NO_KEYS.fullmatch(buf, start) is None
 
 
 # msgpack int encodings -> their size in bytes: positive / negative fixint 1, uint8 / int8 2, ... 64-bit 9.

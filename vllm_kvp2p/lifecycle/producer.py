@@ -346,7 +346,7 @@ class ProducerLedger:
             return None
         if not secrets.compare_digest(lease_token.encode(), lease.token.encode()):
             return None
-        return HeldUnits.of(hold.blocks, plane_groups, planes)
+        return hold.held_units(plane_groups, planes)  # made once per hold
 
     def answer_release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",

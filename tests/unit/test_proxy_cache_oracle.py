@@ -203,8 +203,8 @@ def answers(url: str, stubs: dict[str, Stub]) -> dict[str, httpx.Response]:
 def test_the_default_proxy_tells_no_client_what_is_cached(
     stubs: dict[str, Stub], make_proxy: Callable[..., str], caplog: pytest.LogCaptureFixture, events: bool
 ) -> None:
-    """No X-KVP2P-*-Cached-Tokens on any answer, not even "0" (batches included: they join the parts' headers);
-    the instances and times stay, and the proxy's log line keeps the counts."""
+    """No X-KVP2P-*-Cached-Tokens on any answer, not even "0" (batches included: their body carries each part's
+    headers); the instances and times stay, and the proxy's log line keeps the counts."""
     caplog.set_level(logging.INFO, logger="vllm_kvp2p.proxy")
     kwargs: dict[str, Any] = {"prefill_events": NOWHERE, "decode_events": NOWHERE} if events else {}
     url = make_proxy([stubs["P0"].url], [stubs["D0"].url], **kwargs)
@@ -212,9 +212,11 @@ def test_the_default_proxy_tells_no_client_what_is_cached(
     assert [r.status_code for r in got.values()] == [200, 200, 200, 200, 200, 400]
     for kind, r in got.items():
         assert not any(h in r.headers for h in CACHE_HEADERS), (kind, dict(r.headers))
-        if kind != "stream":
+        if kind not in ("stream", "batch"):
             assert all(h in r.headers for h in KEPT_HEADERS), (kind, dict(r.headers))
-    assert len(got["batch"].headers["x-kvp2p-prefill-instance"].split(",")) == 2
+    routes = got["batch"].json()["kv_transfer_params"]["kvp2p_routes"]  # a batch's: one per prompt, in its body
+    assert [sorted(r) for r in routes] == [sorted(h.removeprefix("x-kvp2p-").replace("-", "_")
+                                                  for h in KEPT_HEADERS)] * 2
     counts = [m for m in caplog.messages if re.search(r" ms, 0 tokens cached\) -> decode \S+ \(0 cached\)", m)]
     assert len(counts) == 7, caplog.messages  # one per prompt routed (the batch's two included)
 
@@ -227,7 +229,9 @@ def test_with_cache_headers_every_answer_says_what_is_cached(
     got = answers(url, stubs)
     for kind in ("json", "text", "chat", "d-400"):
         assert [got[kind].headers.get(h) for h in CACHE_HEADERS] == ["0", "0"], kind
-    assert [got["batch"].headers.get(h) for h in CACHE_HEADERS] == ["0,0", "0,0"]
+    routes = got["batch"].json()["kv_transfer_params"]["kvp2p_routes"]
+    assert [[r[h.removeprefix("x-kvp2p-").replace("-", "_")] for h in CACHE_HEADERS] for r in routes] == [
+        ["0", "0"], ["0", "0"]]
     assert got["stream"].headers.get(CACHE_HEADERS[0]) == "0"
 
 

@@ -37,6 +37,11 @@ def _reset_stubs(request: pytest.FixtureRequest) -> None:
             s.reset()
 
 
+def abandons(url: str) -> dict[str, int]:
+    """The proxy's abandons of P's holds by outcome (its /health)."""
+    return proxy_health(url)["hold_abandons"]
+
+
 def outstanding(url: str) -> list[int]:
     health = proxy_health(url)
     return [e["outstanding"] for e in health["prefill"] + health["decode"]]
@@ -111,7 +116,9 @@ def test_batch_non_stream_merged_like_one_instance(stubs: dict[str, Stub], make_
     parts = data["kv_transfer_params"]["kvp2p_parts"]
     assert len(parts) == 3 and all(p["kvp2p_stats"]["bytes"] == 4096 for p in parts)
     assert r.headers["x-request-id"] == "batch-1" and r.headers["x-kvp2p-batch-prompts"] == "3"
-    assert len(r.headers["x-kvp2p-decode-instance"].split(",")) == 3
+    routes = data["kv_transfer_params"]["kvp2p_routes"]  # each prompt's instances, in the body (not headers)
+    assert len(routes) == 3 and {r["decode_instance"] for r in routes} <= {stubs["D0"].url, stubs["D1"].url}
+    assert "x-kvp2p-decode-instance" not in r.headers
     p_reqs = stubs["P0"].received + stubs["P1"].received
     d_reqs = stubs["D0"].received + stubs["D1"].received
     assert sorted(q["body"]["prompt"] for q in p_reqs) == ["a", "b", "c"]
@@ -195,11 +202,13 @@ def test_batch_stream_failure_before_and_after_the_first_byte(
 ) -> None:
     url = one_pd(stubs, make_proxy)
     body = {**COMPLETION, "prompt": ["a", "b"], "stream": True}
-    # Before anything was sent: a normal error answer, the slow part cancelled on P.
+    # Before anything was sent: a normal error answer; the slow part runs on P to its answer, whose hold the proxy
+    # then abandons (P's request is not cut: an abort would race P's answer and leave a hold nobody knows of).
     stubs["P0"].by_prompt.update({"a": "slow", "b": "500"})
     r = httpx.post(url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
     assert_openai_error(r, 502, "prompt 1 of the batch failed", "prefill")
-    wait_for(lambda: stubs["P0"].cancelled == 1, 2.0, lambda: stubs["P0"].cancelled)
+    wait_for(lambda: abandons(url).get("invalid") == 1, 6.0, lambda: proxy_health(url))  # the stub's params
+    assert stubs["P0"].cancelled == 0
     # Mid-stream: what was sent stays sent, then one error event and the end; the other stream is cut.
     stubs["P0"].by_prompt.clear()
     stubs["D0"].by_prompt.update({"a": "slow_stream", "b": "die_mid_stream"})
@@ -230,15 +239,18 @@ def leave_mid_request(url: str, body: dict[str, Any], arrived: Callable[[], bool
 def test_client_leaving_cancels_the_request_upstream(
     stubs: dict[str, Stub], make_proxy: Callable[..., str], slow: str, stream: bool
 ) -> None:
-    """The stub is slow (4 s): the client leaves while the proxy waits on it; the proxy drops that connection at
-    once (the stub sees it, as vLLM does and aborts) and releases every count."""
+    """The stub is slow: the client leaves while the proxy waits on it. D's connection is dropped at once (the stub
+    sees it, as vLLM does and aborts) and the hold its params name abandoned; P's request runs to its answer (an
+    abort would race it), and the hold it names is abandoned then. Every count is released."""
     url = one_pd(stubs, make_proxy)
-    stubs[slow].mode = "slow"
+    stubs[slow].delay_s = 1.0
     leave_mid_request(url, {**COMPLETION, "stream": stream}, lambda: bool(stubs[slow].received))
-    wait_for(lambda: stubs[slow].cancelled == 1, 2.0, lambda: (stubs[slow].cancelled, proxy_health(url)))
+    if slow == "D0":
+        wait_for(lambda: stubs[slow].cancelled == 1, 2.0, lambda: (stubs[slow].cancelled, proxy_health(url)))
+    wait_for(lambda: abandons(url).get("invalid") == 1, 3.0, lambda: proxy_health(url))  # the stub's params
     wait_for(lambda: outstanding(url) == [0, 0], 2.0, lambda: proxy_health(url))
     if slow == "P0":
-        assert stubs["D0"].received == []
+        assert stubs["P0"].cancelled == 0 and stubs["D0"].received == []
 
 
 def test_client_leaving_cancels_every_part_of_a_batch(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:

@@ -4,14 +4,22 @@ split into one request per prompt, and their answers are merged into the answer 
 vLLM answers a batch (vllm/entrypoints/openai/completion/serving.py, 0.32) with one id, the choices of prompt ``i``
 indexed ``i * n + k`` (``k``: the choice's index within its prompt), and the usage summed over the prompts; a stream
 carries every prompt's chunks as they come, with those indices, then one usage chunk (when asked) and one
-``data: [DONE]``. :func:`merge_answers` and :class:`StreamMerger` rebuild exactly that from the parts' answers, so a
-client cannot tell the batch was split. The I/O (running the parts, cancelling them) is :mod:`batch_flow`'s.
+``data: [DONE]``. :func:`merge_answers` and :class:`StreamMerger` rebuild that shape from the parts' answers, so an
+OpenAI client reads the batch as it reads one instance's. A client can still tell the batch was split, and is told:
+the answer's id and ``created`` are prompt 0's (whose request id is the batch's with ``-0`` appended, as vLLM numbers
+a batch's prompts), ``X-KVP2P-Batch-Prompts`` gives the part count, and ``kv_transfer_params`` lists each part's
+(``kvp2p_parts``) and, not streamed, the instances and times of each prompt (``kvp2p_routes``). The I/O (running
+the parts, cancelling them) is :mod:`batch_flow`'s.
+
+A batch's head is bounded whatever its size: ``X-Request-Id`` and ``X-KVP2P-Batch-Prompts`` only, never a value per
+prompt. (One value per prompt, joined, made the head of a 1,024-prompt batch ~140 KB with 65-character instance
+URLs: more than h11, and so httpx and the OpenAI SDK, read (16 KiB), or aiohttp (8 KiB a line): issue 45, item 5.)
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,15 +72,32 @@ def reindex(choices: Any, prompt_idx: int, n: int) -> list[Any]:
     return out
 
 
-def merge_answers(parts: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
+#: The headers a batch's answer sends (the rest of each part's go to the body: :func:`route_of`).
+BATCH_HEADERS = ("X-Request-Id", "X-KVP2P-Batch-Prompts")
+_PART_HEADER_PREFIX = "x-kvp2p-"
+
+
+def route_of(headers: Mapping[str, str]) -> dict[str, str]:
+    """One part's ``X-KVP2P-*`` headers (its instances and times, and its cached tokens with ``--cache-headers``)
+    as the batch's body carries them: ``X-KVP2P-Prefill-Instance`` -> ``prefill_instance``, the values as they are."""
+    return {name[len(_PART_HEADER_PREFIX):].lower().replace("-", "_"): value for name, value in headers.items()
+            if name.lower().startswith(_PART_HEADER_PREFIX)}
+
+
+def merge_answers(parts: Sequence[dict[str, Any]], n: int,
+                  routes: Sequence[Mapping[str, str]] | None = None) -> dict[str, Any]:
     """The parts' JSON answers (in prompt order) as one: the first part's id, created, model and other fields,
     every part's choices in order and re-indexed, the usage summed, and ``kv_transfer_params`` =
-    ``{"kvp2p_parts": [each part's kv_transfer_params]}``. vLLM's per-request ``metrics`` are dropped, as vLLM
-    drops them for a batch (they describe one generation)."""
+    ``{"kvp2p_parts": [each part's kv_transfer_params], "kvp2p_routes": routes}`` (each part's :func:`route_of`,
+    when given). vLLM's per-request ``metrics`` are dropped, as vLLM drops them for a batch (they describe one
+    generation)."""
     merged = {k: v for k, v in parts[0].items() if k != "metrics"}
     merged["choices"] = [c for i, part in enumerate(parts) for c in reindex(part.get("choices"), i, n)]
     merged["usage"] = sum_usage([part.get("usage") for part in parts])
-    merged["kv_transfer_params"] = {"kvp2p_parts": [part.get("kv_transfer_params") for part in parts]}
+    kv: dict[str, Any] = {"kvp2p_parts": [part.get("kv_transfer_params") for part in parts]}
+    if routes is not None:
+        kv["kvp2p_routes"] = [dict(r) for r in routes]
+    merged["kv_transfer_params"] = kv
     return merged
 
 

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from vllm_kvp2p.proxy.batch import (
+    BATCH_HEADERS,
     PartError,
     StreamMerger,
     encode_event,
     merge_answers,
     prefixed_error,
+    route_of,
     split_body,
     split_events,
 )
@@ -128,12 +130,10 @@ async def _json(run_one: RunOne, parts: list[dict[str, Any]], n: int, limit: asy
         answers = [t.result() for t in tasks]
     finally:
         await _cancel(tasks)  # the client went away (or a bug): no part outlives the request
-    merged = merge_answers([a.json() for a in answers], n)
-    info = {"X-Request-Id": rid, "X-KVP2P-Batch-Prompts": str(len(parts))}
-    for name in answers[0].headers:
-        if name.startswith("X-KVP2P-"):  # one value per prompt, in prompt order
-            info[name] = ",".join(a.headers.get(name, "") for a in answers)
-    return Answer.of_json(merged, 200, info)
+    # Each prompt's instances and times go in the body: headers of one value per prompt grew with the batch past
+    # what clients read (batch.py). The head is the streamed answer's: the id and the part count.
+    merged = merge_answers([a.json() for a in answers], n, [route_of(a.headers) for a in answers])
+    return Answer.of_json(merged, 200, dict(zip(BATCH_HEADERS, (rid, str(len(parts))), strict=True)))
 
 
 class _Parts:
@@ -206,7 +206,7 @@ async def _stream(run_one: RunOne, parts: list[dict[str, Any]], n: int, limit: a
         relay = Relay(
             200,
             "text/event-stream",
-            {"X-Request-Id": rid, "X-KVP2P-Batch-Prompts": str(len(parts)), "Cache-Control": "no-cache",
+            {**dict(zip(BATCH_HEADERS, (rid, str(len(parts))), strict=True)), "Cache-Control": "no-cache",
              "X-Accel-Buffering": "no"},
             _events(streams, first, rid),
             streams.close,

@@ -64,7 +64,9 @@ FAILURE_KINDS = (
     "invalid_params", "unauthenticated", "incompatible", "unreachable", "refused",
     "timeout", "read_failed", "lease_lost", "internal", "shutdown", "corrupted",
 )  # fmt: skip
-DROP_REASONS = ("unauthenticated", "undecodable", "handler_error", "deferred_full")  # SideChannelServer.dropped
+# SideChannelServer.dropped; resent_copy_dropped: a copy of a request waiting for its deferred answer forgotten
+# beyond side_channel.MAX_COPIES copies (one peer resending one release over and over)
+DROP_REASONS = ("unauthenticated", "undecodable", "handler_error", "deferred_full", "resent_copy_dropped")
 
 MAX_SAMPLES = 65536  # per list: bounds memory if nobody drains the stats (a model runner that never asks)
 MAX_REASONS = 32  # distinct kinds/reasons per table, the rest count as "other" (label cardinality)

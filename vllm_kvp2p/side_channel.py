@@ -41,8 +41,15 @@ MAX_REQUEST_BYTES = 64 << 10
 #: then fails at once (:class:`ReplyDropped`). Was 64 MiB: a reply of planes decoded to 0.93 GiB in 1.4 s, on a
 #: pull thread of the process that holds the model; the costliest valid reply now decodes in ~5 ms to ~2 MiB.
 MAX_REPLY_BYTES = 512 << 10
-#: Requests whose answer a handler deferred (returned a Future) waiting at once; more are answered with an error.
+#: Deferred answers (a handler returned a Future) waiting at once; a request deferred beyond them gets an error. A
+#: request whose handler returns a Future already waiting (the same request resent: vllm_kvp2p/hold_service.py
+#: answers copies of one release with one Future) takes no second slot: it joins that answer's copies.
 MAX_DEFERRED = 1024
+#: Copies of one request waiting for one deferred answer: D's client sends a request at most 3 times, each on a
+#: fresh socket, and waits on the newest. Beyond this the oldest copy is forgotten, unanswered (its sender gave up
+#: on that socket), and counted ``dropped["resent_copy_dropped"]``: a peer resending one request 1,100 times holds
+#: one slot and this many copies, not 1,100 slots (which filled the table and failed other readers' releases).
+MAX_COPIES = 4
 
 
 def endpoint(host: str, port: int) -> str:
@@ -66,6 +73,12 @@ class ReplyDropped(zmq.ZMQError):
         super().__init__(msg=f"{endpoint} closed the connection before its reply arrived: a reply over D's "
                              f"{MAX_REPLY_BYTES >> 10} KiB bound (side_channel.MAX_REPLY_BYTES; a real registration "
                              f"is under 32 KiB), a request over P's {MAX_REQUEST_BYTES >> 10} KiB, or P stopped")
+
+
+class PeerError(SideChannelError):
+    """The peer answered with an error (:class:`~vllm_kvp2p.protocol.ErrorReply`): it is up, but did not handle this
+    request (a P of an older release also answers a release this way while its table of deferred answers is full:
+    "try again"). Not a peer that did not answer."""
 
 
 class BadReply(SideChannelError):
@@ -110,7 +123,8 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None
 class SideChannelServer:
     """Answers side-channel requests on ``tcp://host:port`` from a daemon thread. A handler answers at once (a
     :class:`Reply`) or later (a ``Future`` of one, set from any thread): the thread meanwhile serves other
-    requests and sends that answer when it is set (at most :data:`MAX_DEFERRED` waiting)."""
+    requests and sends that answer when it is set (at most :data:`MAX_DEFERRED` answers waiting; a handler that
+    returns the same Future for copies of one request has them share one, each copy answered)."""
 
     def __init__(
         self, host: str, port: int, handler: Callable[[Request], Reply | Future[Reply]], *, setting: str = "",
@@ -138,7 +152,8 @@ class SideChannelServer:
                 "Another instance or rank uses it: give each instance on a host its own VLLM_KVP2P_SIDE_CHANNEL_PORT "
                 "(kv_connector_extra_config side_channel_port), leaving dp_size * pp_size * tp_size ports between them."
             ) from exc
-        self._deferred: list[tuple[bytes, Future[Reply], bytes]] = []  # (peer identity, answer, nonce to seal with)
+        # Each deferred answer and the requests waiting for it, oldest first: (peer identity, nonce to seal with).
+        self._deferred: dict[Future[Reply], list[tuple[bytes, bytes]]] = {}
         self._wake_r, self._wake_w = socket.socketpair()  # a byte written when a deferred answer is set
         for end in (self._wake_r, self._wake_w):
             end.setblocking(False)
@@ -173,8 +188,7 @@ class SideChannelServer:
             if isinstance(answer, bytes):
                 self._send(identity, answer)
             else:
-                self._deferred.append((identity, *answer))
-                answer[0].add_done_callback(self._wake)
+                self._wait_for(answer[0], identity, answer[1])
         self._sock.close()
         self._ctx.term()
         self._wake_r.close()
@@ -192,20 +206,28 @@ class SideChannelServer:
         except OSError:  # full (the thread has bytes to read already) or closed (the server stopped)
             pass
 
+    def _wait_for(self, future: Future[Reply], identity: bytes, nonce: bytes) -> None:
+        """File a request under its deferred answer: a new slot, or one more copy of a request already waiting."""
+        copies = self._deferred.get(future)
+        if copies is None:
+            self._deferred[future] = [(identity, nonce)]
+            future.add_done_callback(self._wake)
+            return
+        copies.append((identity, nonce))
+        if len(copies) > MAX_COPIES:
+            del copies[0]
+            self.dropped["resent_copy_dropped"] += 1
+
     def _send_deferred(self) -> None:
-        waiting = []
-        for identity, future, nonce in self._deferred:
-            if not future.done():
-                waiting.append((identity, future, nonce))
-                continue
+        for future in [f for f in self._deferred if f.done()]:
             try:
                 reply = future.result()
             except Exception as exc:  # noqa: BLE001 - as a handler that raised
                 logger.error("side-channel deferred answer failed: %s: %s", type(exc).__name__, exc)
                 self.dropped["handler_error"] += 1
                 reply = _error(f"{type(exc).__name__}: {exc}")
-            self._send(identity, self._sealed(reply, nonce))
-        self._deferred = waiting
+            for identity, nonce in self._deferred.pop(future):
+                self._send(identity, self._sealed(reply, nonce))
 
     def _answer(self, payload: bytes) -> bytes | tuple[Future[Reply], bytes]:
         """The reply frame for one request frame, or the handler's deferred answer and the nonce to seal it with."""
@@ -237,7 +259,7 @@ class SideChannelServer:
                 self.dropped["handler_error"] += 1
                 reply = _error(f"{type(exc).__name__}: {exc}")
         if isinstance(reply, Future):
-            if len(self._deferred) < MAX_DEFERRED:
+            if reply in self._deferred or len(self._deferred) < MAX_DEFERRED:  # a copy takes no slot of its own
                 return reply, nonce
             self.dropped["deferred_full"] += 1
             reply = ErrorReply(f"{MAX_DEFERRED} requests already waiting for their answers: try again")
@@ -390,7 +412,7 @@ class SideChannelClient:
             if reply.message.startswith(UNAUTHENTICATED_REQUEST):
                 raise Unauthenticated(f"{endpoint} requires the shared secret and this client has none "
                                       f"({reply.message[:200]}): set the same VLLM_KVP2P_SECRET on every P and D")
-            raise SideChannelError(f"{endpoint} answered with an error: {reply.message[:500]}")
+            raise PeerError(f"{endpoint} answered with an error: {reply.message[:500]}")
         return reply
 
     def _drop(self, endpoint: str) -> None:

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from vllm_kvp2p.proxy.batch import batch_prompts
@@ -41,6 +41,7 @@ from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
+from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
@@ -132,6 +133,10 @@ class PDProxy:
         self.prefill_retries = 0
         self._client: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: P's holds the proxy will deliver to no D are abandoned through it (set while the app runs, with a P step).
+        self._abandoner: HoldAbandoner | None = None
+        #: Prefills whose client left, run to their answer so that their holds can be abandoned.
+        self._orphans: set[asyncio.Future[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -143,6 +148,8 @@ class PDProxy:
             max_connections=self.max_connections,
         )
 
+        if self.prefill is not None:
+            self._abandoner = HoldAbandoner()
         self._tasks.append(asyncio.create_task(
             probe_skipped(self.pools, self.client, self.health_probe_timeout_s), name="kvp2p-proxy-probe"))
         if self.prompts is not None:
@@ -152,13 +159,22 @@ class PDProxy:
 
     async def stop(self) -> None:
         """Stop the background tasks, close pooled connections on shutdown."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._orphans]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._orphans, return_exceptions=True)
         self._tasks.clear()
+        if self._abandoner is not None:  # what is queued still goes out (bounded); P's hold_timeout bounds the rest
+            await asyncio.to_thread(self._abandoner.close)
+            self._abandoner = None
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    def abandons(self) -> dict[str, int]:
+        """Abandons sent to P by outcome (:mod:`hold_abandon`), and how many wait to be sent (``queued``)."""
+        if self._abandoner is None:
+            return {}
+        return {**self._abandoner.counts(), "queued": self._abandoner.pending}
 
     @property
     def pools(self) -> tuple[InstancePool, ...]:
@@ -327,39 +343,81 @@ class PDProxy:
         route_ms = (t0 - received) * 1000.0  # the prompt's tokens and hashes (routing happens below)
         info_headers = {"X-Request-Id": rid, "X-KVP2P-Route-Ms": f"{route_ms:.1f}"}
         d_body = dict(body)
+        kv: dict[str, Any] | None = None
         if self.prefill is not None:
             p_body = ENDPOINTS[path].prefill_body(body)
-            p_lease, kv = await self._prefill_with_retry(path, p_body, headers, deadline, rid, prompt)
+            p_lease, kv = await self._prefill_to_the_end(path, p_body, headers, deadline, rid, prompt)
             prefill_ms = (time.monotonic() - t0) * 1000.0
             d_body["kv_transfer_params"] = kv
             info_headers.update({"X-KVP2P-Prefill-Instance": p_lease.url, "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}"})
-        d_lease = self.decode.acquire(prompt=prompt)
-        info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
-        if self.prefill is None:
-            logger.info("request %s %s: instance %s (%d tokens cached); prompt read in %.1f ms",
-                        rid, path, d_lease.url, d_lease.cached_tokens, route_ms)
-        else:
-            if self.cache_headers:
-                info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
-                                        strict=True))
-            logger.info(
-                "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in "
-                "%.1f ms", rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url,
-                d_lease.cached_tokens, route_ms,
-            )
-        if not stream:
-            try:
-                return await self._decode_json(d_lease.url, path, d_body, headers, deadline, info_headers)
-            finally:
-                self.decode.release(d_lease)
-        handed_off = False
+        # From here P holds the prompt's KV: unless D answers whole and well (its engine had the request, and its
+        # connector claimed or released the hold) or a relay takes the hold over (its close abandons it), P is told
+        # to abandon it (a hold a reader touched stays D's: vllm_kvp2p/proxy/hold_abandon.py).
+        handed_over = False
         try:
-            response = await self._decode_stream(d_lease, path, d_body, headers, deadline, info_headers, rid)
-            handed_off = True
-            return response
+            d_lease = self.decode.acquire(prompt=prompt)
+            info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
+            if kv is None:
+                logger.info("request %s %s: instance %s (%d tokens cached); prompt read in %.1f ms",
+                            rid, path, d_lease.url, d_lease.cached_tokens, route_ms)
+            else:
+                if self.cache_headers:
+                    info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
+                                            strict=True))
+                logger.info(
+                    "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in "
+                    "%.1f ms", rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url,
+                    d_lease.cached_tokens, route_ms,
+                )
+            if not stream:
+                try:
+                    answer: Answer | Relay = await self._decode_json(d_lease.url, path, d_body, headers, deadline,
+                                                                     info_headers)
+                finally:
+                    self.decode.release(d_lease)
+            else:
+                try:
+                    answer = await self._decode_stream(d_lease, path, d_body, headers, deadline, info_headers, rid,
+                                                       on_close=lambda: self._abandon(kv))
+                except BaseException:
+                    self.decode.release(d_lease)
+                    raise
+            handed_over = True
+            return answer
         finally:
-            if not handed_off:
-                self.decode.release(d_lease)
+            if not handed_over:
+                self._abandon(kv)
+
+    async def _prefill_to_the_end(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str,
+        prompt: PromptBlocks | None,
+    ) -> tuple[Lease, dict[str, Any]]:
+        """:meth:`_prefill_with_retry`, run to P's answer even if the client leaves meanwhile: then the hold P made
+        is abandoned as soon as its params arrive. Aborting P's request instead would race P's answer (a prefill
+        that finished just before the abort holds its KV for hold_timeout with nobody knowing its params); the price
+        is the rest of one prefill per leaving client, which a client that stayed would have cost as well."""
+        task = asyncio.ensure_future(self._prefill_with_retry(path, body, headers, deadline, rid, prompt))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                self._abandon_result(task)
+            else:
+                self._orphans.add(task)
+                task.add_done_callback(self._abandon_result)
+            raise
+
+    def _abandon_result(self, task: asyncio.Future[tuple[Lease, dict[str, Any]]]) -> None:
+        """A prefill whose client left: abandon the hold its answer names (none if it failed)."""
+        self._orphans.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        self._abandon(task.result()[1])
+
+    def _abandon(self, kv: dict[str, Any] | None) -> None:
+        """Tell P that nobody will pull the hold ``kv`` names (vllm_kvp2p/proxy/hold_abandon.py)."""
+        if kv is not None and self._abandoner is not None:
+            self._abandoner.abandon(kv)
 
     async def _prompt_blocks(
         self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str
@@ -404,10 +462,12 @@ class PDProxy:
         deadline: float,
         info_headers: dict[str, str],
         rid: str,
+        on_close: Callable[[], None] = lambda: None,
     ) -> Answer | Relay:
         """Streaming decode: wait (bounded) for D's head, then relay its SSE bytes as they come.
 
-        The returned :class:`Relay` owns the decode slot: its ``close`` releases it, however the stream ends.
+        The returned :class:`Relay` owns the decode slot: its ``close`` releases it and calls ``on_close``, however
+        the stream ends.
         """
         url = lease.url
         try:
@@ -428,6 +488,7 @@ class PDProxy:
                 closed = True
                 stream.close()
                 self.decode.release(lease)
+                on_close()
 
         return Relay(
             stream.status,

@@ -155,6 +155,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
         "prefill": prefill,
         "decode": decode,
         "prefill_retries": proxy.prefill_retries,
+        "hold_abandons": proxy.abandons(),
         "routing": {
             "policy": proxy.decode.policy.value,
             "prefix_weight": proxy.decode.prefix_weight,

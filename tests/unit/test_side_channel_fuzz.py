@@ -20,6 +20,7 @@ from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.protocol import (
     MAX_TP_SIZE,
+    Abandon,
     Claim,
     ClaimReply,
     ClaimStatus,
@@ -102,8 +103,9 @@ def client() -> Iterator[SideChannelClient]:
 INT64 = st.integers(-(2**63), 2**63 - 1)
 ABSURD_INTS = st.one_of(INT64, st.sampled_from([0, -1, 1, MAX_TP_SIZE, MAX_TP_SIZE + 1, 10**9, 2**63 - 1, -(2**63)]))
 HUGE_IDS = st.sampled_from(["", "x" * 257, "y" * 20_000])  # 10^6 characters: the explicit example below
-TAGS = ["get_registration", "claim", "renew", "release", "registration", "claim_reply", "ack", "error", "nope"]
-FIELDS = ["tp_rank", "request_id", "hold_id", "reader", "expected_readers", "pulled", "lease_token", "status"]
+TAGS = ["get_registration", "claim", "renew", "release", "abandon", "registration", "claim_reply", "ack", "error",
+        "nope"]
+FIELDS = ["tp_rank", "request_id", "hold_id", "reader", "expected_readers", "pulled", "lease_token", "status", "mac"]
 ANYTHING = st.recursive(
     st.none() | st.booleans() | st.floats() | INT64 | st.text(max_size=20) | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
@@ -122,6 +124,7 @@ def valid_messages(victim: str, victim_hold: str) -> st.SearchStrategy:
         st.builds(Claim, rid, hid, reader, ABSURD_INTS),
         st.builds(Renew, rid, hid, reader, token),
         st.builds(Release, rid, hid, reader, ABSURD_INTS, st.booleans(), token),
+        st.builds(Abandon, rid, hid, token),
     )
 
 
@@ -254,11 +257,12 @@ def secured() -> Iterator[tuple[HoldService, SideChannelClient, int]]:
 @given(data=st.data())
 def test_with_the_secret_no_hostile_frame_reaches_the_ledger(secured: tuple[HoldService, SideChannelClient, int],
                                                               data: st.DataObject) -> None:
-    """The same frames, now at a P with the secret, from a peer without it: every one is dropped before the ledger
-    (its counters and tables do not move), and a peer with the secret is served as before."""
+    """The same frames, now at a P with the secret, from a peer without it: every one but an unsealed Abandon is
+    dropped before the ledger (its counters and tables do not move), an Abandon without the params' mac frees
+    nothing, and a peer with the secret is served as before."""
     service, sealed_client, port = secured
     victim, victim_hold = f"victim-{uuid.uuid4().hex}", uuid.uuid4().hex
-    service.hold(victim, victim_hold)
+    service.hold(victim, victim_hold, mac="a" * 64)  # a P with the secret signs every hold's params
     token = sealed_client.request(HOST, port, Claim(victim, victim_hold, READER, 1, "cid")).lease_token
     before_counters, before_sizes = dict(service.counters()), service.table_sizes()
     ctx = zmq.Context()
@@ -268,11 +272,17 @@ def test_with_the_secret_no_hostile_frame_reaches_the_ledger(secured: tuple[Hold
             answer = raw.ask(message)
             if answer is not None:
                 reply = protocol.decode_reply(answer)
-                assert isinstance(reply, protocol.ErrorReply) and reply.message.startswith("unauthenticated")
+                assert (isinstance(reply, protocol.ErrorReply) and reply.message.startswith("unauthenticated")) or (
+                    isinstance(reply, protocol.Abandoned) and reply.outcome is not protocol.AbandonOutcome.RELEASED)
     finally:
         raw.close()
         ctx.term()
-    assert dict(service.counters()) == before_counters and service.table_sizes() == before_sizes
+    abandons = ("abandon_refused", "early_release_table_full", "id_too_long")  # what an unsealed Abandon may move
+    assert {k: v for k, v in service.counters().items() if k not in abandons} == {
+        k: v for k, v in before_counters.items() if k not in abandons}
+    assert {k: v for k, v in service.table_sizes().items() if k != "early_releases"} == {
+        k: v for k, v in before_sizes.items() if k != "early_releases"}
+    assert service.table_sizes()["early_releases"] <= MAX_EARLY
     assert victim not in service.take_freed()
     assert isinstance(sealed_client.request(HOST, port, GetRegistration(0)), Registration)
     assert isinstance(sealed_client.request(HOST, port, Release(victim, victim_hold, READER, 1, True, token)), Released)

@@ -1,0 +1,177 @@
+"""The proxy's abandons over a real side channel: the proxy's sender (vllm_kvp2p/proxy/hold_abandon.py) against
+real :class:`HoldService` instances on 127.0.0.1, with and without the shared secret, for a P of one rank and of
+two, and against P's that are dead or frozen. The params are the authority: the proxy has no secret."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.lifecycle.producer import HoldState
+from vllm_kvp2p.lifecycle.rank_table import table_of
+from vllm_kvp2p.protocol import Abandon, AbandonOutcome, Abandoned, Release, RemotePrefill
+from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
+from vllm_kvp2p.side_channel import SideChannelClient, Unauthenticated
+from vllm_kvp2p.testing.server import free_port
+from tests.unit.test_side_channel_fuzz import REG
+
+HOST = "127.0.0.1"
+SECRET = b"abandon-test-secret-0123456789"
+
+
+def registration(rank: int, tp_size: int):
+    import msgspec
+
+    return msgspec.structs.replace(REG, tp_rank=rank, tp_size=tp_size)
+
+
+def params(port: int, *, tp_size: int = 1, auth: Authenticator | None = None, engine: str = "P") -> RemotePrefill:
+    remote = RemotePrefill(engine, f"req-{uuid.uuid4().hex[:8]}", HOST, port, [[1, 2]], uuid.uuid4().hex, 32, 16,
+                           tp_size=tp_size)
+    return auth.sign_params(remote, int(time.time() * 1000) + 60_000) if auth is not None else remote
+
+
+def hold(service: HoldService, remote: RemotePrefill) -> None:
+    service.hold(remote.remote_request_id, remote.remote_hold_id, 2, ((1, 2),), remote.mac)
+
+
+def state(service: HoldService, remote: RemotePrefill) -> HoldState | None:
+    with service._lock:
+        return service.ledger.state(remote.remote_request_id, remote.remote_hold_id)
+
+
+@pytest.fixture
+def abandoner() -> Iterator[HoldAbandoner]:
+    sender = HoldAbandoner(timeout_s=1.0)
+    yield sender
+    sender.close()
+
+
+@pytest.fixture(params=[None, SECRET], ids=["unauthenticated", "secret"])
+def p_service(request: pytest.FixtureRequest) -> Iterator[tuple[HoldService, Authenticator | None]]:
+    auth = Authenticator(request.param, 30.0) if request.param else None
+    service = HoldService(REG, HOST, free_port(HOST), hold_timeout=120.0, lease_timeout=10.0, auth=auth)
+    yield service, auth
+    service.close()
+
+
+def port_of(service: HoldService) -> int:
+    return int(service._server.address.rsplit(":", 1)[1])
+
+
+def test_an_untouched_hold_is_freed_in_well_under_a_second(p_service, abandoner: HoldAbandoner) -> None:
+    service, auth = p_service
+    remote = params(port_of(service), auth=auth)
+    hold(service, remote)
+    t0 = time.monotonic()
+    abandoner.abandon(remote.to_params())
+    assert abandoner.drain(5.0)
+    took = time.monotonic() - t0
+    assert remote.remote_request_id in service.take_freed() and state(service, remote) is HoldState.RELEASED
+    assert abandoner.counts()["released"] == 1 and took < 2.0, (abandoner.counts(), took)
+    tally, *_ = service.take_metrics()
+    assert tally["abandoned"] == 1 and tally["released"] == 1
+
+
+def test_a_claimed_hold_stays_with_its_reader(p_service, abandoner: HoldAbandoner) -> None:
+    from vllm_kvp2p.protocol import Claim
+
+    service, auth = p_service
+    remote = params(port_of(service), auth=auth)
+    hold(service, remote)
+    d = SideChannelClient(2.0, auth=auth)
+    try:
+        token = d.request(HOST, port_of(service), Claim(remote.remote_request_id, remote.remote_hold_id, "d:0", 1,
+                                                        "cid")).lease_token
+        abandoner.abandon(remote.to_params())
+        assert abandoner.drain(5.0) and abandoner.counts()["in_use"] == 1
+        assert state(service, remote) is HoldState.CLAIMED
+        reply = d.request(HOST, port_of(service), Release(remote.remote_request_id, remote.remote_hold_id, "d:0", 1,
+                                                          True, token))
+        assert reply.lease_held  # the reader's read still counts
+    finally:
+        d.close()
+
+
+def test_an_abandon_without_the_params_mac_frees_nothing(abandoner: HoldAbandoner) -> None:
+    """P with the secret: the attacker knows the request and hold ids (e.g. from a claim it saw on the wire), not
+    the mac of the params P issued; the control shows the same abandon with the mac frees the hold."""
+    auth = Authenticator(SECRET, 30.0)
+    service = HoldService(REG, HOST, free_port(HOST), hold_timeout=120.0, lease_timeout=10.0, auth=auth)
+    try:
+        remote = params(port_of(service), auth=auth)
+        hold(service, remote)
+        plain = SideChannelClient(2.0)  # no secret, as the proxy
+        try:
+            forged = plain.request(HOST, port_of(service), Abandon(remote.remote_request_id, remote.remote_hold_id,
+                                                                    "0" * 64))
+            assert isinstance(forged, Abandoned) and forged.outcome is AbandonOutcome.REFUSED
+            assert state(service, remote) is HoldState.HELD and service.counters()["abandon_refused"] == 1
+            # Nothing but an Abandon passes without the secret: the same peer's release is refused unread.
+            with pytest.raises(Unauthenticated):
+                plain.request(HOST, port_of(service), Release(remote.remote_request_id, remote.remote_hold_id, "x", 1))
+            assert state(service, remote) is HoldState.HELD
+            genuine = plain.request(HOST, port_of(service), Abandon(remote.remote_request_id, remote.remote_hold_id,
+                                                                     remote.mac))
+            assert isinstance(genuine, Abandoned) and genuine.outcome is AbandonOutcome.RELEASED
+        finally:
+            plain.close()
+    finally:
+        service.close()
+
+
+def test_an_abandon_reaches_every_rank_of_a_p_of_two(abandoner: HoldAbandoner) -> None:
+    ports = [free_port(HOST), free_port(HOST)]
+    ranks = [HoldService(registration(r, 2), HOST, ports[r], hold_timeout=120.0, lease_timeout=10.0) for r in (0, 1)]
+    try:
+        table = table_of("P", "", {r: (HOST, ports[r]) for r in (0, 1)})
+        for service in ranks:
+            service.rank_table = table
+        remote = params(ports[0], tp_size=2)
+        for service in ranks:
+            hold(service, remote)
+        abandoner.abandon(remote.to_params())
+        assert abandoner.drain(5.0) and abandoner.counts()["released"] == 2, abandoner.counts()
+        assert all(state(service, remote) is HoldState.RELEASED for service in ranks)
+    finally:
+        for service in ranks:
+            service.close()
+
+
+def test_a_dead_p_costs_a_refused_connection_and_a_count(abandoner: HoldAbandoner) -> None:
+    remote = params(free_port(HOST))  # nothing listens there
+    t0 = time.monotonic()
+    abandoner.abandon(remote.to_params())
+    assert abandoner.drain(5.0) and abandoner.counts()["failed"] == 1
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_frozen_p_fills_the_queue_which_drops_and_counts() -> None:
+    """A ROUTER that never answers (a frozen P): each abandon waits its timeout, the queue's bound drops the rest."""
+    ctx = zmq.Context()
+    frozen = ctx.socket(zmq.ROUTER)
+    port = free_port(HOST)
+    frozen.bind(f"tcp://{HOST}:{port}")
+    sender = HoldAbandoner(timeout_s=0.3, max_queued=2)
+    try:
+        for _ in range(6):
+            sender.abandon(params(port).to_params())
+        assert sender.drain(5.0)
+        counts = sender.counts()
+        assert counts["dropped"] >= 3 and counts["failed"] + counts["dropped"] == 6, counts
+    finally:
+        sender.close()
+        frozen.close(linger=0)
+        ctx.term()
+
+
+def test_params_of_another_connector_are_counted_not_sent(abandoner: HoldAbandoner) -> None:
+    abandoner.abandon({"remote_engine_id": "x"})
+    abandoner.abandon(None)
+    assert abandoner.counts()["invalid"] == 2 and abandoner.pending == 0

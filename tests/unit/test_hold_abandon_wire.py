@@ -11,15 +11,15 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from tests.unit.test_side_channel_fuzz import REG
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.lifecycle.rank_table import table_of
-from vllm_kvp2p.protocol import Abandon, AbandonOutcome, Abandoned, Release, RemotePrefill
+from vllm_kvp2p.protocol import Abandon, Abandoned, AbandonOutcome, Release, RemotePrefill
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
 from vllm_kvp2p.side_channel import SideChannelClient, Unauthenticated
 from vllm_kvp2p.testing.server import free_port
-from tests.unit.test_side_channel_fuzz import REG
 
 HOST = "127.0.0.1"
 SECRET = b"abandon-test-secret-0123456789"

@@ -31,6 +31,7 @@ from vllm_kvp2p.kv_groups import (
 from vllm_kvp2p.lifecycle.admission import Admitted, Prompt, UnboundPrompt
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
 from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.shared_holds import MAX_ENDED_HOLDS
 from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.lora_weights import lora_digest
@@ -95,7 +96,9 @@ class SchedulerSide:
         self.consumer = ConsumerSchedule(
             self.block_size, self.groups, peer_ports=config.peer_port_ranges(),
             authenticate=self._authenticate if self.auth is not None else None,
+            hold_lifetime=config.hold_timeout + config.clock_skew,  # how long params P issued can be used
         )
+        self._forgotten_warned = 0  # D: ended holds forgotten at the bound, as of the last WARNING
         self._holds: list[HoldOrder] = []
         self._siblings = SiblingOffers()  # P: the children of an n > 1 request offer one hold
         self._reports: dict[str, PullReport] = {}
@@ -119,6 +122,16 @@ class SchedulerSide:
         while len(self._unbound_warned) > 64:
             self._unbound_warned.popitem(last=False)
         logger.warning("KV not offered to a decoder (D computes the prompt itself): %s", why)
+
+    def _warn_forgotten(self) -> None:
+        """D: n > 1 holds forgotten before their params' end because the table was full (lifecycle/shared_holds.py):
+        a WARNING the first time and at every further table's worth; their late children compute their prompts."""
+        forgotten = self.consumer.shared.forgotten_early
+        if forgotten and (not self._forgotten_warned or forgotten - self._forgotten_warned >= MAX_ENDED_HOLDS):
+            self._forgotten_warned = forgotten
+            logger.warning("%d ended n > 1 holds forgotten early (more than %d ended within hold_timeout + "
+                           "clock_skew): until their params' end, a child naming a hold D does not know computes "
+                           "its prompt itself and contacts no P", forgotten, MAX_ENDED_HOLDS)
 
     # ------------------------------------------------------------------ no exception leaves a hook
 
@@ -174,7 +187,8 @@ class SchedulerSide:
             return 0, False
         try:
             return self.consumer.matched_tokens(
-                request.request_id, request.kv_transfer_params, self._prompt(request), num_computed_tokens
+                request.request_id, request.kv_transfer_params, self._prompt(request), num_computed_tokens,
+                now=_monotonic(),
             )
         except Exception as exc:
             self._survive("get_num_new_matched_tokens", request, exc)
@@ -193,12 +207,12 @@ class SchedulerSide:
             unhashed = [list(per_group[gid]) for gid in self.group_ids] if per_group else []
             local_hit = self._local_hit_tokens(request, blocks, num_external_tokens)
             plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, local_hit,
-                                          self._prompt(request))
+                                          self._prompt(request), now=_monotonic())
         except Exception as exc:
             # vLLM may be waiting for this load now: it still gets exactly one (failed) plan.
             self._survive("update_state_after_alloc", request, exc)
             plan = self.consumer.on_alloc(request.request_id, params, num_external_tokens, unhashed, 0,
-                                          self._prompt(request))
+                                          self._prompt(request), now=_monotonic())
         if plan is not None:
             logger.debug(
                 "planned pull of %s: %d blocks (%s) from %s",
@@ -230,8 +244,9 @@ class SchedulerSide:
         try:
             if params.get("do_remote_prefill"):
                 if self.is_consumer:
-                    self.consumer.on_finished(request.request_id, params, self._prompt(request))
+                    self.consumer.on_finished(request.request_id, params, self._prompt(request), now=_monotonic())
                     self._digests.pop(request.request_id, None)
+                    self._warn_forgotten()
                 report = self._reports.pop(request.request_id, None)
                 return False, ({PULL_REPORT_KEY: _report_dict(report)} if report else None)
             if not (self.is_producer and params.get("do_remote_decode")):
@@ -338,6 +353,10 @@ class SchedulerSide:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000  # wall clock: params cross hosts
+
+
+def _monotonic() -> float:
+    return time.monotonic()  # D's own table of holds: only its durations count
 
 
 # Marks a request whose prompt was already shortened (vLLM may offer it again after a preemption).

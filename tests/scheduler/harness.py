@@ -393,7 +393,7 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     side = connector_side(scheduler)
     assert side._holds == []
     assert side._reports == {}
-    assert side.consumer._planned == set()
+    assert len(side.consumer) == 0  # no request record left (lifecycle/consumer.py's Admission)
     assert side.consumer._pending == []
     assert len(side.consumer.shared) == 0  # no hold still in use by a request that left
 

@@ -6,14 +6,19 @@ hold but the first) and P kept one hold per child while vLLM returned the params
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from tests.scheduler.harness import (
+    Spy,
+    Step,
     assert_scheduler_empty,
     connector_side,
     make_request,
+    model_runner_output,
     num_free_blocks,
     request_block_ids,
     run_until_idle,
@@ -21,13 +26,18 @@ from tests.scheduler.harness import (
     tokens,
 )
 from tests.scheduler.test_scheduler_lifecycle import (
+    NUM_BLOCKS,
     collect_plans,
     d_scheduler,
     p_scheduler,
     remote_params,
     report,
 )
+from vllm_kvp2p import scheduler as scheduler_module
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.metadata import KVP2PWorkerMetadata
+from vllm_kvp2p.protocol import RemotePrefill
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 PARENT = "cmpl-abc-0-1a2b3c4d"  # vLLM's internal id of the parent: the client's id and a random suffix
@@ -161,4 +171,151 @@ def test_p_children_with_different_prompts_and_unrelated_requests_hold_their_own
     assert len({st.output(r).kv_transfer_params["remote_hold_id"] for r in sched.requests}) == 3
     assert len(step(sched).meta.holds) == 3
     step(sched, finished_sending=set(sched.requests))
+    assert_scheduler_empty(sched)
+
+
+
+# ------------------------------------------------------------------------------------------------ roles decided once
+# A request's verdict and role (the reader of its hold, or a follower) are decided when vLLM first asks about it and
+# kept until it ends (issue 45, finding 3). D's workers and P are played by WorkersAndP: P grants a hold to its first
+# claim and refuses any claim after the hold was released, as the real P does.
+
+SECRET = "parallel-sampling-secret-0123456789"  # D's VLLM_KVP2P_SECRET (>= 16 bytes)
+EXPIRES_S = 120.0  # P signs params that expire hold_timeout (120 s by default) after it issued them
+
+
+class WorkersAndP:
+    """Every plan is carried out in the step that ships it; a plan that reads a hold already released fails
+    (``claim refused``), so a second reader of one hold meets vLLM's kv_load_failure_policy as on real engines."""
+
+    def __init__(self) -> None:
+        self.plans: list[PullPlan] = []
+        self.released: set[str] = set()
+        self.refused: list[str] = []
+
+    def step(self, sched) -> Step:
+        so = sched.schedule()
+        pulls = so.kv_connector_metadata.pulls
+        self.plans.extend(pulls)
+        recv, failed, reports = set(), set(), {}
+        for plan in pulls:
+            hold = plan.remote.remote_hold_id
+            refused = bool(plan.num_blocks) and hold in self.released
+            if refused:
+                self.refused.append(plan.request_id)
+            if plan.contact_p:
+                self.released.add(hold)  # P is released in every outcome
+            if plan.awaiting:
+                recv.add(plan.request_id)
+                if refused or plan.error:
+                    failed.add(plan.request_id)
+                reports[plan.request_id] = report(0 if refused else plan.num_blocks, ok=not refused,
+                                                  reason="claim refused: hold released" if refused else "")
+        blocks = {b for p in pulls if p.request_id in failed for b in p.all_local_block_ids}
+        out = model_runner_output(list(so.num_scheduled_tokens), finished_recving=recv, failed_recving=failed,
+                                  worker_meta=KVP2PWorkerMetadata(reports) if reports else None,
+                                  load_error_blocks=blocks)
+        return Step(so, [o for eco in sched.update_from_output(so, out).values() for o in eco.outputs])
+
+    def run(self, sched, until: Callable[[list[Step]], bool] | None = None, max_steps: int = 200) -> list[Step]:
+        """Step until the scheduler is empty, or ``until(steps)``."""
+        steps: list[Step] = []
+        while sched.requests and not (until and until(steps)):
+            assert len(steps) < max_steps, f"scheduler did not drain: {list(sched.requests)}"
+            steps.append(self.step(sched))
+        return steps
+
+
+def finish_reasons(steps: list[Step]) -> dict[str, FinishReason]:
+    return {o.request_id: o.finish_reason for s in steps for o in s.outputs if o.finish_reason is not None}
+
+
+def ended(request_id: str) -> Callable[[list[Step]], bool]:
+    return lambda steps: request_id in finish_reasons(steps)
+
+
+def asked(spy: Spy) -> set[str]:
+    return {args[0].request_id for args, _ in spy.calls}
+
+
+def test_d_a_child_first_asked_after_the_reader_ended_follows_it():
+    """vLLM adds the children one at a time: a request that comes between them and does not fit while the reader
+    runs keeps the later children from being asked until after the reader ended. They follow the ended hold (D's
+    prefix cache, or computed), never claim what the reader released: P refuses that, and under `fail` the child
+    ends in error (the review of issue 45: children 0 and 2 `length`, child 1 `error`)."""
+    sched = d_scheduler(num_blocks=8)  # 7 usable: the reader's 3 blocks and "big"'s 5 do not fit together
+    params = remote_params(40)
+    sched.add_request(make_request(CHILDREN[0], 40, max_tokens=3, kv_transfer_params=dict(params)))
+    sched.add_request(make_request("big", tokens(80, seed=7), max_tokens=3))
+    for child in CHILDREN[1:]:
+        sched.add_request(make_request(child, 40, max_tokens=3, kv_transfer_params=dict(params)))
+    matched = Spy(sched, "get_num_new_matched_tokens")
+    play = WorkersAndP()
+    steps = play.run(sched, until=ended(CHILDREN[0]))
+    assert asked(matched) & set(CHILDREN[1:]) == set()  # the case: not asked while the reader lived
+    steps += play.run(sched)
+    assert [p.request_id for p in play.plans] == [CHILDREN[0]], play.plans  # one pull for the hold, nothing more
+    assert play.refused == []
+    assert finish_reasons(steps) == {**{c: FinishReason.LENGTH for c in CHILDREN}, "big": FinishReason.LENGTH}
+    assert_scheduler_empty(sched)
+
+
+class Clock:
+    """The adapter's clocks (vllm_kvp2p/scheduler.py: the wall clock params expire by, the monotonic one of D's
+    hold table), moved by the test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1_800_000_000.0  # seconds
+        monkeypatch.setattr(scheduler_module, "_now_ms", lambda: int(self.now * 1000))
+        monkeypatch.setattr(scheduler_module, "_monotonic", lambda: self.now, raising=False)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def signed_d_scheduler(monkeypatch: pytest.MonkeyPatch, clock: Clock, num_blocks: int = NUM_BLOCKS) -> tuple:
+    """D with the secret, and the params P signed for the harness's 40-token prompt, expiring in EXPIRES_S."""
+    monkeypatch.delenv("VLLM_KVP2P_SECRET_FILE", raising=False)
+    monkeypatch.setenv("VLLM_KVP2P_SECRET", SECRET)
+    sched = d_scheduler(num_blocks=num_blocks)
+    assert connector_side(sched).auth is not None
+    remote = RemotePrefill.from_params(remote_params(40))
+    signed = Authenticator(SECRET.encode(), 30.0).sign_params(remote, int((clock.now + EXPIRES_S) * 1000))
+    return sched, signed.to_params()
+
+
+def test_d_followers_that_end_after_their_params_expired_leave_no_record(monkeypatch):
+    """With the secret, params expire: a follower admitted in time and ending after the expiry (a long generation)
+    is forgotten at its end like any other. It was judged again there, refused as expired, and kept forever: after
+    MAX_HOLDS_IN_USE of them every child of a new n > 1 request planned its own pull."""
+    clock = Clock(monkeypatch)
+    sched, params = signed_d_scheduler(monkeypatch, clock)
+    add_children(sched, params, max_tokens=6)
+    play = WorkersAndP()
+    steps = play.run(sched, until=lambda s: {r.request_id for r in sched.running} == set(CHILDREN))
+    clock.advance(EXPIRES_S + 60)  # past the expiry and clock_skew (30 s), mid-generation
+    steps += play.run(sched)
+    assert [p.request_id for p in play.plans] == [CHILDREN[0]] and play.refused == []
+    assert finish_reasons(steps) == {c: FinishReason.LENGTH for c in CHILDREN}
+    assert_scheduler_empty(sched)
+
+
+def test_d_a_follower_preempted_and_readmitted_after_the_expiry_computes_what_it_lacks(monkeypatch):
+    """A follower preempted for blocks is asked again when it is re-admitted: past its params' expiry it was refused
+    as `expired` and ended in error under `fail`, although a follower never contacts P."""
+    clock = Clock(monkeypatch)
+    # 6 blocks = 5 usable: reader A B C, follower A B D (two full blocks shared); at the 49th token each needs one
+    # more, one block is left: the follower, last to run, is preempted, and re-admitted when the reader ends.
+    sched, params = signed_d_scheduler(monkeypatch, clock, num_blocks=6)
+    for child in CHILDREN[:2]:
+        sched.add_request(make_request(child, 40, max_tokens=20, kv_transfer_params=dict(params)))
+    follower = sched.requests[CHILDREN[1]]
+    play = WorkersAndP()
+    steps = play.run(sched, until=lambda s: follower.status == RequestStatus.RUNNING)
+    clock.advance(EXPIRES_S + 60)
+    steps += play.run(sched, until=lambda s: follower.num_preemptions > 0)
+    assert follower.num_preemptions == 1, "the follower was never preempted; the block budget of this test is off"
+    steps += play.run(sched)
+    assert [p.request_id for p in play.plans] == [CHILDREN[0]] and play.refused == []
+    assert finish_reasons(steps) == {c: FinishReason.LENGTH for c in CHILDREN[:2]}
     assert_scheduler_empty(sched)

@@ -304,7 +304,7 @@ def test_d_matched_tokens_is_pure():
         assert connector.get_num_new_matched_tokens(request, 16) == (24, True)
         assert connector.get_num_new_matched_tokens(request, 48) == (0, False)
     side = connector_side(sched)
-    assert side.consumer._pending == [] and side.consumer._planned == set()
+    assert side.consumer._pending == [] and not side.consumer.is_planned("d1")
 
     sched.add_request(request)
     st = step(sched)

@@ -108,7 +108,8 @@ def test_unauthenticated_params_make_d_contact_no_one() -> None:
 
 
 def test_one_admission_checks_the_signature_once() -> None:
-    """vLLM calls matched_tokens then on_alloc in one scheduler pass: the HMAC is checked in the first only."""
+    """vLLM calls matched_tokens then on_alloc in one scheduler pass, and again in later passes: the HMAC is checked
+    once per request."""
     params = issued().to_params()
     a, calls = auth(), []
 
@@ -123,16 +124,18 @@ def test_one_admission_checks_the_signature_once() -> None:
     assert len(calls) == 1
     schedule.take_plans()
     assert schedule.on_finished("d1", params, prompt(PROMPT)) is None  # d1 done: d2 is no follower of its hold
-    # The kept check is for that pass and those params only: other params, or a later pass, are checked again.
+    # The verdict is the request's, kept until it ends (lifecycle/consumer.py's Admission): later passes do not
+    # check again, and a plan is made of the params that verdict checked. Another request is checked on its own.
     forged = {**params, "remote_host": "10.6.6.6"}
-    assert schedule.matched_tokens("d2", params, prompt(PROMPT), 0) == (PROMPT, True)
+    assert schedule.matched_tokens("d2", forged, prompt(PROMPT), 0) == (PROMPT - 1, True)
+    schedule.take_plans()
     plan = schedule.on_alloc("d2", forged, PROMPT - 1, [[1, 2, 3, 4]], 0, prompt(PROMPT))
     assert plan is not None and plan.failure is Failure.UNAUTHENTICATED and not plan.contact_p
-    assert len(calls) == 3
+    assert len(calls) == 2
     assert schedule.matched_tokens("d3", params, prompt(PROMPT), 0) == (PROMPT, True)
     schedule.take_plans()
     plan = schedule.on_alloc("d3", params, PROMPT, [[5, 6, 7, 8]], 0, prompt(PROMPT))
-    assert plan is not None and not plan.error and len(calls) == 5
+    assert plan is not None and not plan.error and len(calls) == 3
 
 
 # --------------------------------------------------------------------------- side-channel frames

@@ -55,7 +55,7 @@ def test_full_local_hit_plans_a_release_only() -> None:
 def test_partial_hit_with_tail_shorter_than_a_block_computes_locally() -> None:
     s = ConsumerSchedule(BS)
     assert s.matched_tokens("d1", params(), prompt(60), 48) == (0, False)  # 12 tokens left, < one block
-    assert s.matched_tokens("d1", params(1, num_tokens=10), prompt(10), 0) == (10, True)  # no hit: pull it all
+    assert s.matched_tokens("d2", params(1, num_tokens=10), prompt(10), 0) == (10, True)  # no hit: pull it all
 
 
 def test_partial_hit_pulls_only_missing_blocks() -> None:

@@ -2,14 +2,17 @@
 clocks or torch.
 
 :class:`ConsumerSchedule` (in vLLM's scheduler process) turns vLLM's admission calls into at most one
-:class:`PullPlan` per request. Whether the request's params can be used at all is decided once, by
-:func:`vllm_kvp2p.lifecycle.admission.judge`; this module only maps an admitted request's tokens onto the blocks
-vLLM allocated. ``matched_tokens`` is pure (vLLM may ask many times); ``on_alloc`` and ``on_finished`` are the
-only places a plan is made, and each request gets exactly one, whatever the order and number of calls. The worker
-half, :mod:`vllm_kvp2p.lifecycle.pull`, carries a plan out.
+:class:`PullPlan` per request. What it decides for a request is kept in one record, :class:`Admission`, made at the
+first call about the request and forgotten at its end: the verdict on its params (whether they can be used at all,
+by :func:`vllm_kvp2p.lifecycle.admission.judge`, once) and its part in the hold they name. vLLM asks about a waiting
+request at every step, again after a preemption or a failed load, and the clock moves on meanwhile (signed params
+expire); none of that changes what was decided. This module only maps an admitted request's tokens onto the blocks
+vLLM allocated. ``matched_tokens`` only reads the record once made (vLLM may ask many times); ``on_alloc`` and
+``on_finished`` are the only places a plan is made, and each request gets exactly one, whatever the order and
+number of calls. The worker half, :mod:`vllm_kvp2p.lifecycle.pull`, carries a plan out.
 
 Requests that name one hold (vLLM's ``n > 1`` children) share what its one pull brings: which of them reads it and
-which wait is :mod:`vllm_kvp2p.lifecycle.shared_holds`'s, asked here.
+which follow is :mod:`vllm_kvp2p.lifecycle.shared_holds`'s, asked once per request here.
 
 The completion rule lives in one place, :attr:`PullPlan.awaiting`: vLLM parked the request in
 ``WAITING_FOR_REMOTE_KVS`` only when it asked for external tokens, and only then may the worker report the
@@ -26,20 +29,22 @@ from typing import Any
 from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.lifecycle.admission import UNPARSED, Admitted, Decoder, Prompt, Refused, Verdict, judge
 from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.lifecycle.shared_holds import Role, SharedHolds
+from vllm_kvp2p.lifecycle.shared_holds import HoldUse, Role, SharedHolds
 from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
 
-__all__ = ["ConsumerSchedule", "Failure", "PullPlan", "TEST_CORRUPT_KEY"]
+__all__ = ["Admission", "ConsumerSchedule", "Failure", "PullPlan", "TEST_CORRUPT_KEY"]
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
 
 # Test-only key of kv_transfer_params, see KVP2PConfig.test_hooks.
 TEST_CORRUPT_KEY = "kvp2p_test_corrupt"
 
-# Verdicts kept for one scheduler pass (more waiting requests than this are simply judged twice).
-MAX_CHECKED = 4096
-# Requests a hook failed on, kept until vLLM plans or finishes them (bounded: the oldest are forgotten).
-MAX_FAILED = 4096
+#: Requests recorded at once: one per request vLLM asked about and has not finished, so vLLM's own queues bound it
+#: (this bounds a bug). Past it a new request is none of the connector's business: vLLM computes its prompt and no
+#: P is contacted until its end (which then decides as an admission would: a reader releases P, a follower not).
+MAX_REQUESTS = 1 << 17
+#: hold_timeout + clock_skew at their defaults (the adapter passes the settings).
+HOLD_LIFETIME = 150.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,18 @@ class PullPlan:
         return tuple(b for g in self.local_block_ids for b in g)
 
 
+@dataclass(eq=False)
+class Admission:
+    """One D request whose params ask for a remote prefill, the one record of what the connector decided for it:
+    the verdict on its params and its part in their hold, decided when vLLM first asks about it (or at its end if
+    vLLM never did) and kept until it ends, whatever the calls and the clock do meanwhile."""
+
+    verdict: Verdict
+    role: Role | None = None  # Admitted: reader, follower or local (lifecycle/shared_holds.py); Refused: None
+    hold: HoldUse | None = None  # the hold it reads or follows
+    planned: bool = False  # its one plan was made (a pull, a release, or a failed plan)
+
+
 class ConsumerSchedule:
     """Per-request pull decisions on D's scheduler."""
 
@@ -87,71 +104,67 @@ class ConsumerSchedule:
         *,
         peer_ports: PortRanges = ANY_PORT,
         authenticate: Callable[[RemotePrefill], str] | None = None,
+        hold_lifetime: float = HOLD_LIFETIME,
     ) -> None:
         """``peer_ports``: the side-channel ports params may name. ``authenticate``: with a shared secret, why
-        params are not P's ("" when they are; vllm_kvp2p/auth.py): such params make D contact no one."""
+        params are not P's ("" when they are; vllm_kvp2p/auth.py): such params make D contact no one.
+        ``hold_lifetime``: seconds params can be used after P issued them (``hold_timeout`` + ``clock_skew``): how
+        long a hold an n > 1 child read is remembered after that child ended, for its late siblings."""
         self.block_size = block_size
         self.groups = groups or single_full_group(block_size)
         self.decoder = Decoder(block_size, self.groups, peer_ports)
         self._authenticate = authenticate
-        self._planned: set[str] = set()
+        self._requests: dict[str, Admission] = {}
         self._pending: list[PullPlan] = []
-        # matched_tokens' verdicts, for on_alloc in the same scheduler pass (vLLM calls the two back to back): the
-        # HMAC and the prompt digest are the largest share of an admission. Cleared by take_plans, once per step;
-        # keyed to the params object and prompt length they were made for.
-        self._checked: dict[str, tuple[Any, int, Verdict]] = {}
-        # Requests whose admission failed inside the connector (a bug): their plan fails, P is not contacted.
-        self._failed: dict[str, Refused] = {}
-        # Which request reads each hold and which wait for it (vLLM's n > 1 children share one hold).
-        self.shared = SharedHolds()
+        # Which request reads each hold (vLLM's n > 1 children share one), and the ended holds late children name.
+        self.shared = SharedHolds(hold_lifetime)
 
     @property
     def holdback(self) -> int:
         return self.decoder.holdback
 
     def verdict(self, request_id: str, params: Any, prompt: Prompt) -> Verdict | None:
-        """The admission verdict on the request's params (None: not a remote prefill), from this pass's cache."""
-        failed = self._failed.get(request_id)
-        if failed is not None:
-            return failed
-        cached = self._checked.get(request_id)
-        if cached is not None and cached[0] is params and cached[1] == prompt.num_tokens:
-            return cached[2]
-        verdict = judge(params, prompt, self.decoder, self._authenticate)
-        if verdict is not None and len(self._checked) < MAX_CHECKED:
-            self._checked[request_id] = (params, prompt.num_tokens, verdict)
-        return verdict
+        """The verdict on the request's params (None: not a remote prefill): its record's, else judged now."""
+        admission = self._requests.get(request_id)
+        if admission is not None:
+            return admission.verdict
+        return judge(params, prompt, self.decoder, self._authenticate)
 
     def fail(self, request_id: str, reason: str) -> None:
         """The connector failed on this request (an exception in a hook): it gets a failed plan that contacts no
-        one, so vLLM's kv_load_failure_policy ends it."""
-        self._failed.pop(request_id, None)
-        self._failed[request_id] = Refused(UNPARSED, reason, Failure.INTERNAL, False)
-        while len(self._failed) > MAX_FAILED:
-            self._failed.pop(next(iter(self._failed)))
+        one, so vLLM's kv_load_failure_policy ends it. (Recorded past MAX_REQUESTS too: vLLM may be waiting for
+        the load; one per request vLLM holds.)"""
+        refused = Refused(UNPARSED, reason, Failure.INTERNAL, False)
+        admission = self._requests.get(request_id)
+        if admission is None:
+            self._requests[request_id] = Admission(refused)
+        else:
+            admission.verdict = refused  # a reader keeps its role: its end still lets its followers go
 
     def matched_tokens(
-        self, request_id: str, params: Any, prompt: Prompt, num_local_computed: int
+        self, request_id: str, params: Any, prompt: Prompt, num_local_computed: int, *, now: float = 0.0
     ) -> tuple[int | None, bool]:
         """Tokens D can load from P beyond its local prefix-cache hit; ``None``: not yet (a follower of a hold
-        whose pull is in flight; vLLM asks again next step). No side effect but keeping the verdict for
-        :meth:`on_alloc` in this scheduler pass and noting a follower (idempotent). Refused params still ask for
-        the prompt, so that the failed plan made for them ends the request the way vLLM's
-        ``kv_load_failure_policy`` says (recompute, or an error)."""
-        if request_id in self._planned:
+        whose pull is in flight; vLLM asks again next step). The first call decides (the request's record); the
+        others only read it. Refused params still ask for the prompt, so that the failed plan made for them ends
+        the request the way vLLM's ``kv_load_failure_policy`` says (recompute, or an error). ``now``: seconds on
+        the adapter's monotonic clock."""
+        admission = self._admission(request_id, params, prompt, now)
+        if admission is None or admission.planned or not prompt.loads_kv:
+            # Not a remote prefill, planned already (asked again after a failed load or a preemption), or vLLM
+            # computes the whole prompt (on_alloc releases P).
             return 0, False
-        verdict = self.verdict(request_id, params, prompt)
-        if verdict is None or not prompt.loads_kv:
-            return 0, False  # not a remote prefill, or vLLM computes the whole prompt (on_alloc releases P)
+        verdict = admission.verdict
         if isinstance(verdict, Refused):
             count = prompt.num_tokens - 1 - num_local_computed
             return (count, True) if count > 0 else (0, False)
-        role = self.shared.role(request_id, verdict.remote)
-        if role is not Role.READER:
-            self.shared.on_followed(request_id, verdict.remote)  # its end must not release the reader's hold
-            # WAIT: not admitted this step; FOLLOW: the reader's blocks are in D's prefix cache, vLLM computes the
-            # rest.
-            return (None, False) if role is Role.WAIT else (0, False)
+        if admission.role is Role.FOLLOWER:
+            # Not admitted while the reader's pull is in flight; then the reader's blocks are in D's prefix cache (or
+            # the reader ended): vLLM computes what that lacks.
+            assert admission.hold is not None
+            return (0, False) if admission.hold.landed else (None, False)
+        if admission.role is Role.LOCAL:
+            return 0, False
         count = verdict.load_end - num_local_computed
         if count <= 0:
             return 0, False
@@ -168,22 +181,20 @@ class ConsumerSchedule:
         unhashed_block_ids: Sequence[Sequence[int]],
         num_local_computed: int,
         prompt: Prompt,
+        *,
+        now: float = 0.0,
     ) -> PullPlan | None:
         """vLLM allocated blocks for the request: plan the pull (or the release) exactly once.
 
         ``unhashed_block_ids``: per KV-cache group, D's blocks past its local prefix-cache hit, in token order and
         ending with the block of the last token D loads (vLLM's ``get_unhashed_block_ids_all_groups``)."""
-        if request_id in self._planned:
+        admission = self._admission(request_id, params, prompt, now)
+        if admission is None or admission.planned:
             return None
-        verdict = self.verdict(request_id, params, prompt)
-        if verdict is None:
-            return None
-        self._checked.pop(request_id, None)
-        self._failed.pop(request_id, None)
+        verdict = admission.verdict
+        if isinstance(verdict, Admitted) and admission.role is not Role.READER:
+            return None  # no plan: the hold is another request's to read (or, LOCAL, nobody's here)
         local = tuple(tuple(g) for g in unhashed_block_ids)
-        if isinstance(verdict, Admitted) and self.shared.role(request_id, verdict.remote) is not Role.READER:
-            self.shared.on_followed(request_id, verdict.remote)  # no plan: the hold is another request's to read
-            return None
         if isinstance(verdict, Refused):
             # Nothing is read; P is still released if that is safe (it may hold the blocks).
             plan = PullPlan(request_id, verdict.remote, local, (), awaiting=num_external_tokens > 0,
@@ -198,46 +209,69 @@ class ConsumerSchedule:
                 plan = dataclasses.replace(plan, test_corrupt=True, test_corrupt_in_flight=corrupt == "in_flight",
                                            test_corrupt_layer=layer)
         # Only now: if making the plan raised, the hook's guard asks again and gets the failed plan.
-        self._planned.add(request_id)
+        admission.planned = True
         self._pending.append(plan)
-        if isinstance(verdict, Admitted):
-            self.shared.on_planned(request_id, verdict.remote)
         return plan
 
-    def on_finished(self, request_id: str, params: Any, prompt: Prompt) -> PullPlan | None:
-        """vLLM is done with the request. One that never got blocks (rejected, aborted while waiting for
-        admission) still releases P now instead of at P's hold timeout, when that is safe."""
-        if request_id in self._planned:
-            self._planned.discard(request_id)
-            self.shared.on_finished(request_id, None)
-            return None
-        verdict = self.verdict(request_id, params, prompt)
-        self._checked.pop(request_id, None)
-        self._failed.pop(request_id, None)
-        if verdict is None or (isinstance(verdict, Refused) and not verdict.contact_p):
+    def on_finished(self, request_id: str, params: Any, prompt: Prompt, *, now: float = 0.0) -> PullPlan | None:
+        """vLLM is done with the request: its record is forgotten, whatever its verdict would be now. One that never
+        got its plan (rejected, aborted while waiting for admission) still releases P now instead of at P's hold
+        timeout, when that is safe and it is no follower."""
+        admission = self._requests.pop(request_id, None)
+        if admission is None:  # never asked about (or past MAX_REQUESTS then): decided now, as at an admission
+            admission = self._decide(request_id, params, prompt, now)
+            if admission is None:
+                return None
+        if admission.role is Role.READER:
+            assert admission.hold is not None
+            self.shared.on_reader_finished(admission.hold, now)
+        verdict = admission.verdict
+        if admission.planned or admission.role in (Role.FOLLOWER, Role.LOCAL):
+            return None  # its plan released P, or the hold is another request's to release
+        if isinstance(verdict, Refused) and not verdict.contact_p:
             return None  # no side channel to release (or none proven to be P's): contact no one
-        if isinstance(verdict, Admitted) and self.shared.is_follower(request_id, verdict.remote):
-            self.shared.on_finished(request_id, verdict.remote)
-            return None  # the hold is the reader's: its pull releases P
         plan = PullPlan(request_id, verdict.remote, (), (), awaiting=False)
         self._pending.append(plan)
         return plan
 
     def is_planned(self, request_id: str) -> bool:
-        return request_id in self._planned
+        admission = self._requests.get(request_id)
+        return admission is not None and admission.planned
 
     def on_scheduled(self, request_ids: Iterable[str]) -> None:
         """vLLM scheduled these requests for the first time: a reader among them has its pulled blocks in D's
         prefix cache now, so the requests that follow it may be admitted."""
         if len(self.shared):
             for request_id in request_ids:
-                self.shared.on_scheduled(request_id)
+                admission = self._requests.get(request_id)
+                if admission is not None and admission.role is Role.READER and admission.hold is not None:
+                    self.shared.on_landed(admission.hold)
 
     def take_plans(self) -> list[PullPlan]:
-        """The plans made since the last call; once per scheduler step (it also ends the step's verdicts)."""
+        """The plans made since the last call; once per scheduler step."""
         plans, self._pending = self._pending, []
-        self._checked.clear()
         return plans
+
+    def __len__(self) -> int:
+        """Requests recorded (asked about by vLLM and not finished)."""
+        return len(self._requests)
+
+    def _admission(self, request_id: str, params: Any, prompt: Prompt, now: float) -> Admission | None:
+        """The request's record, made at the first call; None: not a remote prefill (or no room to record it)."""
+        admission = self._requests.get(request_id)
+        if admission is None and len(self._requests) < MAX_REQUESTS:
+            admission = self._decide(request_id, params, prompt, now)
+            if admission is not None:
+                self._requests[request_id] = admission
+        return admission
+
+    def _decide(self, request_id: str, params: Any, prompt: Prompt, now: float) -> Admission | None:
+        """THE verdict on the params (lifecycle/admission.py) and, when admitted, the part in their hold."""
+        verdict = judge(params, prompt, self.decoder, self._authenticate)
+        if verdict is None or isinstance(verdict, Refused):
+            return None if verdict is None else Admission(verdict)
+        role, hold = self.shared.join(request_id, verdict.remote, now)
+        return Admission(verdict, role, hold)
 
     def _plan(self, request_id: str, admitted: Admitted, local: BlockIds, num_local_computed: int,
               load_end: int) -> PullPlan:

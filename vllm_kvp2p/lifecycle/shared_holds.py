@@ -1,31 +1,43 @@
-"""D side, scheduler half: one P hold, several D requests. Pure: no sockets, threads, clocks or torch.
+"""D side, scheduler half: one P hold, several D requests. Pure: no sockets, threads, clocks or torch (time comes
+in as an argument, seconds on the adapter's monotonic clock).
 
 vLLM fans a request with ``n > 1`` out into n child requests that carry the same ``kv_transfer_params``, so n
 requests name one hold. A hold has one reader: P grants one lease per reader, and every request of one D rank
 claims as the same reader, so a second pull of the same hold is refused (or, after the first released it, finds
-it gone). The children therefore share what one pull brings:
+it gone). The children therefore share what one pull brings. Each request's part is decided once, when vLLM first
+asks about it (:meth:`SharedHolds.join`), and kept in the request's own record (lifecycle/consumer.py) until it
+ends:
 
-* the first request that plans for a hold is its *reader*: it pulls (or, with everything cached on D, only
-  releases P), exactly as a lone request would;
-* every other request naming that hold is a *follower*: while the reader's pull is in flight it is not admitted
+* the first request to name a hold D does not know is its *reader*: it pulls (or, with everything cached on D,
+  only releases P), exactly as a lone request would;
+* every other request naming a known hold is a *follower*: while the reader's pull is in flight it is not admitted
   (vLLM asks again next step), and once the reader has been scheduled with its pulled blocks (vLLM caches them in
-  its prefix cache then) it is admitted with nothing to load: D's prefix cache gives it every full block the reader
-  pulled and it computes only the partial last block. A follower never contacts P.
+  its prefix cache then) or has ended, it is admitted with nothing to load: D's prefix cache gives it every full
+  block the reader pulled and it computes the rest. A follower never contacts P, not even to release (its release
+  would end the reader's lease: every request of one D rank claims as the same reader).
 
 P cannot be told how many readers to expect (D's ``n`` is the client's; P gets ``n = 1`` from the proxy, and
 another router may send anything), so a hold that counted readers would either wait for readers that never come
 or free blocks a late child still needs. Followers of a reader that failed compute what the prefix cache lacks
 (vLLM's ``kv_load_failure_policy`` decides for the reader alone).
 
-:class:`SharedHolds` keeps one :class:`HoldUse` per hold in use: created with the reader's plan, ended when the
-reader and every follower have finished (so it is bounded by D's running requests).
+vLLM adds a parent's children one at a time, so a child queued behind a request that does not fit may be asked
+first long after its reader ended and released P. A hold whose reader was such a child (its id ``{index}_{parent}``,
+:func:`~vllm_kvp2p.lifecycle.sibling_offers.parent_of`) is therefore remembered after its reader ended for as long
+as its params can be used: ``lifetime`` = ``hold_timeout`` + ``clock_skew`` from the reader's end, which is after P
+issued them (with the secret D refuses them later than that as expired; without it P's hold timed out by then). A
+later child is then a follower, not a second reader of a released hold. A hold read by any other request is
+forgotten when its reader ends: a second request naming it then is a replay, which P refuses as it should.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections import deque
+from dataclasses import dataclass
 from enum import Enum
 
+from vllm_kvp2p.lifecycle.sibling_offers import parent_of
 from vllm_kvp2p.protocol import RemotePrefill
 
 #: A hold's name in the params, with the prompt it was issued for: requests share a pull only when their prompts are
@@ -34,8 +46,13 @@ from vllm_kvp2p.protocol import RemotePrefill
 #: to the first claim only.
 HoldKey = tuple[str, str, str, int]
 
-#: Holds in use remembered at once (D's running requests bound it; this bounds a bug).
-MAX_HOLDS_IN_USE = 65536
+#: Ended holds remembered at once: those whose reader, an n > 1 child, ended within the last ``lifetime`` (150 s by
+#: default), i.e. 436 such holds a second sustained on one engine before the bound is reached (~0.3 KB each). At the
+#: bound the oldest is forgotten early, and until its lifetime is over a child that names a hold D does not know
+#: cannot be told from a late child of a forgotten one: it computes its prompt itself and contacts no P (a late
+#: child made a reader would claim a hold its sibling released, and P's refusal fails it under the default
+#: ``fail`` policy; computing is right for both, and a new hold it leaves unclaimed ends at P's hold_timeout).
+MAX_ENDED_HOLDS = 65536
 
 
 def hold_key(remote: RemotePrefill) -> HoldKey:
@@ -44,81 +61,76 @@ def hold_key(remote: RemotePrefill) -> HoldKey:
 
 class Role(Enum):
     READER = "reader"  # plans the pull like any request
-    WAIT = "wait"  # a follower while the reader's pull is in flight: not admitted this step
-    FOLLOW = "follow"  # a follower once the reader's blocks are in D's prefix cache: nothing to load, no plan
+    FOLLOWER = "follower"  # waits for the reader's blocks, then takes them from D's prefix cache; no plan
+    LOCAL = "local"  # a child naming a hold D cannot vouch for (bound reached): computes its prompt, no plan
 
 
-@dataclass
+@dataclass(eq=False)
 class HoldUse:
-    """One hold as D uses it: its reader, whether the reader's blocks have landed, the followers."""
+    """One hold as D uses it: its reader, and whether its followers may go (the reader's blocks are in D's prefix
+    cache, or the reader ended). Followers keep a reference to it in their own records."""
 
+    key: HoldKey
     reader: str
     landed: bool = False
-    reader_finished: bool = False
-    followers: set[str] = field(default_factory=set)
-
-    @property
-    def ended(self) -> bool:
-        return self.reader_finished and not self.followers
 
 
 class SharedHolds:
-    """Which request reads each hold, and which requests wait for it."""
+    """Which request reads each hold, the holds whose readers ended that a late child may still name, and nothing
+    per follower (a follower's part is in its own record)."""
 
-    def __init__(self) -> None:
-        self._uses: dict[HoldKey, HoldUse] = {}
-        self._reader_of: dict[str, HoldKey] = {}  # reader request id -> its hold (on_scheduled, on_finished)
+    def __init__(self, lifetime: float, max_ended: int = MAX_ENDED_HOLDS) -> None:
+        """``lifetime``: seconds an ended hold's params can still be used (``hold_timeout`` + ``clock_skew``)."""
+        self.lifetime = lifetime
+        self.max_ended = max(1, max_ended)
+        self._holds: dict[HoldKey, HoldUse] = {}  # holds whose reader runs, and the ended ones remembered
+        # The ended ones' forget times, in the order they ended (so oldest first: ``now`` never goes back).
+        self._ended: deque[tuple[float, HoldKey]] = deque()
+        self._unsure_until = -math.inf  # until then a child naming an unknown hold may be a late follower
+        self.forgotten_early = 0  # ended holds forgotten at the bound (the adapter logs it)
 
-    def role(self, request_id: str, remote: RemotePrefill) -> Role:
-        """The request's part for the hold its (admitted) params name. Pure: vLLM may ask many times."""
-        use = self._uses.get(hold_key(remote))
-        if use is None or use.reader == request_id:
-            return Role.READER
-        return Role.FOLLOW if use.landed else Role.WAIT
-
-    def on_planned(self, request_id: str, remote: RemotePrefill) -> None:
-        """The request got the hold's one plan: it is the reader."""
+    def join(self, request_id: str, remote: RemotePrefill, now: float) -> tuple[Role, HoldUse | None]:
+        """The part of a request whose admitted params name this hold, decided once (its first admission, or its
+        end if vLLM never asked): the reader of a hold D does not know (registered here), else a follower."""
+        self._forget(now)
         key = hold_key(remote)
-        if key in self._uses or len(self._uses) >= MAX_HOLDS_IN_USE:
+        use = self._holds.get(key)
+        if use is not None:
+            return (Role.READER if use.reader == request_id else Role.FOLLOWER), use
+        if now < self._unsure_until and parent_of(request_id) is not None:
+            return Role.LOCAL, None
+        use = self._holds[key] = HoldUse(key, request_id)
+        return Role.READER, use
+
+    def on_landed(self, use: HoldUse) -> None:
+        """vLLM scheduled the reader with its loaded blocks: they are in D's prefix cache now."""
+        use.landed = True
+
+    def on_reader_finished(self, use: HoldUse, now: float) -> None:
+        """The reader left vLLM (finished, aborted, failed): its followers go on; a late child still follows."""
+        use.landed = True
+        if self._holds.get(use.key) is not use:
             return
-        self._uses[key] = HoldUse(request_id)
-        self._reader_of[request_id] = key
-
-    def on_followed(self, request_id: str, remote: RemotePrefill) -> None:
-        """A follower was asked about (waiting or admitted): remembered until it finishes, so that the record
-        outlives the reader while it waits and its end never contacts P. Idempotent."""
-        use = self._uses.get(hold_key(remote))
-        if use is not None and use.reader != request_id:
-            use.followers.add(request_id)
-
-    def is_follower(self, request_id: str, remote: RemotePrefill) -> bool:
-        use = self._uses.get(hold_key(remote))
-        return use is not None and use.reader != request_id
-
-    def on_scheduled(self, request_id: str) -> None:
-        """vLLM scheduled the request with its loaded blocks (they are in D's prefix cache now)."""
-        key = self._reader_of.get(request_id)
-        if key is not None:
-            self._uses[key].landed = True
-
-    def on_finished(self, request_id: str, remote: RemotePrefill | None) -> None:
-        """The request left vLLM (finished, aborted, failed): a reader lets its followers go on; the record ends
-        when nobody uses the hold any more."""
-        key = self._reader_of.pop(request_id, None)
-        if key is not None:
-            use = self._uses[key]
-            use.landed = use.reader_finished = True
-        elif remote is not None:
-            key = hold_key(remote)
-            use = self._uses.get(key)
-            if use is None:
-                return
-            use.followers.discard(request_id)
-        else:
+        if parent_of(use.reader) is None:
+            del self._holds[use.key]
             return
-        if use.ended:
-            del self._uses[key]
+        self._ended.append((now + self.lifetime, use.key))
+        while len(self._ended) > self.max_ended:
+            until, key = self._ended.popleft()
+            del self._holds[key]
+            self._unsure_until = max(self._unsure_until, until)
+            self.forgotten_early += 1
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self._ended and self._ended[0][0] <= now:
+            del self._holds[self._ended.popleft()[1]]
+
+    @property
+    def remembered(self) -> int:
+        """Ended holds still remembered for late children."""
+        return len(self._ended)
 
     def __len__(self) -> int:
-        """Holds in use by more than nothing: while there are any, the scheduler reports what it schedules."""
-        return len(self._uses)
+        """Holds whose reader has not ended: while there are any, the scheduler reports what it schedules."""
+        return len(self._holds) - len(self._ended)

@@ -2,7 +2,13 @@
 carrying the same ``kv_transfer_params``. On D one child reads P's hold and the others wait for its blocks and take
 them from D's prefix cache (vllm_kvp2p/lifecycle/shared_holds.py); on P the children offer one hold
 (vllm_kvp2p/lifecycle/sibling_offers.py). Before these, D planned one pull per child (P refuses every claim of a
-hold but the first) and P kept one hold per child while vLLM returned the params of only one."""
+hold but the first) and P kept one hold per child while vLLM returned the params of only one.
+
+Each child's verdict and part are decided when vLLM first asks about it and kept until it ends
+(vllm_kvp2p/lifecycle/consumer.py's Admission; issue 45): before that, a child first asked after its reader ended
+(queued behind a request that did not fit) became a second reader and failed on P's refusal, and with the secret a
+follower judged again past its params' expiry was kept forever at its end, or failed as expired when re-admitted
+after a preemption. The tests of that section fail on the code before it."""
 
 from __future__ import annotations
 
@@ -238,13 +244,16 @@ def asked(spy: Spy) -> set[str]:
     return {args[0].request_id for args, _ in spy.calls}
 
 
-def test_d_a_child_first_asked_after_the_reader_ended_follows_it():
+@pytest.mark.parametrize("secret", [False, True], ids=["open", "secret"])
+def test_d_a_child_first_asked_after_the_reader_ended_follows_it(monkeypatch, secret):
     """vLLM adds the children one at a time: a request that comes between them and does not fit while the reader
     runs keeps the later children from being asked until after the reader ended. They follow the ended hold (D's
     prefix cache, or computed), never claim what the reader released: P refuses that, and under `fail` the child
     ends in error (the review of issue 45: children 0 and 2 `length`, child 1 `error`)."""
-    sched = d_scheduler(num_blocks=8)  # 7 usable: the reader's 3 blocks and "big"'s 5 do not fit together
-    params = remote_params(40)
+    if secret:  # 7 usable blocks: the reader's 3 and "big"'s 5 do not fit together
+        sched, params = signed_d_scheduler(monkeypatch, Clock(monkeypatch), num_blocks=8)
+    else:
+        sched, params = d_scheduler(num_blocks=8), remote_params(40)
     sched.add_request(make_request(CHILDREN[0], 40, max_tokens=3, kv_transfer_params=dict(params)))
     sched.add_request(make_request("big", tokens(80, seed=7), max_tokens=3))
     for child in CHILDREN[1:]:

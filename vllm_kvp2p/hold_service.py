@@ -6,37 +6,36 @@ from the side channel, the passing of time) and logs what it reports. A refusal 
 of those not logged since; the ledger's ``counters`` have them all.
 
 Integrity questions (D's release asks P's sums of the bytes it read, vllm_kvp2p/lifecycle/integrity.py) are
-answered only about the asking reader's own hold and within its bytes (``query_problem``), and checked and summed
-on a thread of their own, not the side channel's (which only checks the lease and queues the question): the
-release is answered once its sums are done (the side channel defers that answer and meanwhile serves every other
-claim, renewal and release of this rank). Why a thread and not only
-the byte bound: the bound makes a question cost at most a pass over the bytes one honest pull of the hold moved,
-and for a large hold that is long. A question names at most 4096 units (a 64 KiB frame); one unit of a dense 8B
-model at TP 1 and block size 128 is 512 KiB (8 KV heads x 128 x bf16 x K and V x 128 tokens), so the hold of a
-16k-token prompt (4096 block-layers) admits a 2 GiB question: 2.4-3.3 s of one core at the 1.2-1.6 ms/MiB
-measured (one torch thread; docs/reliability.md). The thread takes one question at a time; at most
-``MAX_PENDING_QUESTIONS`` wait (more are answered at once without sums: D counts those pulls unverified); a
-release resent while its sums run (D's client resends after 0.5 s) waits for the same answer, not a second sum;
-one resent after it was answered gets the answer the ledger kept (ProducerLedger.answer_release, bounded), or,
-once that is forgotten, a reply that says so (``Released.sums_lost``: D counts the pull apart, never verified).
+answered only about the asking reader's own hold and within its bytes (``query_problem``, checked in O(its units)
+against the hold's units, made once per hold), and summed on a thread of their own, not the side channel's (which
+only checks the lease and queues the question, in O(its units)): the release is answered once its sums are done (the
+side channel defers that answer and meanwhile serves every other claim, renewal and release of this rank). The
+queue (vllm_kvp2p/lifecycle/question_queue.py) decides what is summed when, fair to every reader: per hold in turn,
+a slice of about 20 ms at a time, bounded in bytes and shared max-min; a question whose sums would end after its
+reader's budget (``Release.answer_within_ms``) is answered at once without them, one still waiting at its deadline
+then (``Released.no_sums``: ``busy``; D counts the pull unverified, never failed). A release resent while its sums
+run (D's client resends after 0.5 s) gets the same answer (one Future: one slot of the side channel's deferred
+table, whatever the number of copies), not a second sum; one resent after it was answered gets the answer the
+ledger kept (ProducerLedger.answer_release, bounded), or, once that is forgotten, a reply that says so
+(``Released.sums_lost``: D counts the pull apart, never verified).
 """
 
 from __future__ import annotations
 
 import hashlib
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 
 from vllm_kvp2p import os_threads
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.lifecycle.hold import HeldUnits
-from vllm_kvp2p.lifecycle.integrity import query_problem
+from vllm_kvp2p.lifecycle.integrity import NoSums, query_problem
 from vllm_kvp2p.lifecycle.producer import (
     CLOCK_SKEW,
     EARLY_RELEASE_TTL,
@@ -45,6 +44,7 @@ from vllm_kvp2p.lifecycle.producer import (
     LedgerEvent,
     ProducerLedger,
 )
+from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice, unit_bytes
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.os_threads import run_named
 from vllm_kvp2p.protocol import (
@@ -67,16 +67,23 @@ from vllm_kvp2p.protocol import (
     Request,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import SideChannelServer
+from vllm_kvp2p.side_channel import MAX_DEFERRED, SideChannelServer
 
 logger = get_logger(__name__)
 
 WARNING_INTERVAL = 60.0  # seconds between two warnings of one reason
-MAX_PENDING_QUESTIONS = 64  # integrity questions waiting for their sums at once (one per reader's release)
 
-_ReleaseKey = tuple[str, str, str]  # (request id, hold id, reader)
 _SUMS_ENCODER = msgspec.msgpack.Encoder()  # an answer, as the ledger keeps it
 _SUMS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int]])  # UnitSums is array_like: [total, weighted]
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A release whose question waits for its sums (the question queue's payload): what it will be answered."""
+
+    release: Release
+    held: HeldUnits  # what its reader may ask about (checked on the sums thread, before the first slice)
+    answer: Future[Reply]
 
 
 def _fingerprint(release: Release) -> bytes:
@@ -104,11 +111,13 @@ class HoldService:
         auth: Authenticator | None = None,
         on_release: Callable[[], None] | None = None,
         digester: Callable[[DigestQuery], list[tuple[int, int]]] | None = None,
+        questions: QuestionQueue[_Asked] | None = None,
     ) -> None:
         """``on_release``: called (on the side-channel thread) after each release, which may free a hold.
         ``digester``: this rank's byte sums over a question's units (vllm_kvp2p/transfer/digest.py: sums_of_units
         over its KV memory); None answers no integrity question (D counts its pulls unverified).
-        ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock)."""
+        ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock).
+        ``questions``: the integrity questions' queue (default: :class:`QuestionQueue` with its bounds)."""
         self.registration = registration
         # Every rank of this engine (set once the ranks gathered it, vllm_kvp2p/worker.py); None: not yet.
         self.rank_table: RankTable | None = None
@@ -125,9 +134,12 @@ class HoldService:
         self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
         self._dropped_reported: Counter[str] = Counter()  # side-channel drops already in the metrics
         self._plane_groups = registration.group_of_planes()
-        # Releases whose question is being summed, and the answer each will get; the questions, in order.
-        self._pending: dict[_ReleaseKey, tuple[Release, Future[Reply]]] = {}
-        self._questions: queue.SimpleQueue[tuple[Release, HeldUnits, Future[Reply]] | None] = queue.SimpleQueue()
+        # The releases whose question waits for its sums (each one deferred answer on the side channel: within its
+        # table, so that no release is ever refused there for others' questions).
+        self._questions: QuestionQueue[_Asked] = questions if questions is not None else QuestionQueue()
+        assert self._questions.max_questions <= MAX_DEFERRED
+        self._work = threading.Condition(self._lock)  # a question queued, or closing
+        self._closing = False
         self._summer = threading.Thread(target=run_named(os_threads.DIGEST, self._sum_questions),
                                         name=f"kvp2p-digest:{port}", daemon=True)
         self._summer.start()
@@ -175,7 +187,7 @@ class HoldService:
     def table_sizes(self) -> dict[str, int]:
         """The ledger's tables and the integrity questions waiting for their sums (empty when P is idle)."""
         with self._lock:
-            return {**self.ledger.table_sizes(), "questions_waiting": len(self._pending)}
+            return {**self.ledger.table_sizes(), "questions_waiting": len(self._questions)}
 
     def take_metrics(self) -> tuple[dict[str, int], dict[str, int], int, float]:
         """Since the last call: holds created / released / expired and claims refused, side-channel messages
@@ -190,9 +202,11 @@ class HoldService:
 
     def _handle(self, message: Request) -> Reply | Future[Reply]:
         if isinstance(message, Release):
-            deferred = self._defer(message)
-            if deferred is not None:
-                return deferred
+            with self._lock:
+                try:
+                    return self._take_release(message, self._clock())
+                finally:
+                    self._log_events()
         with self._lock:
             now = self._clock()
             try:
@@ -222,8 +236,6 @@ class HoldService:
                     return self.ledger.renew(
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
-                if isinstance(message, Release):
-                    return self._release(message, now, None)
                 if isinstance(message, Abandon):
                     outcome, why = self.ledger.abandon(message.request_id, message.hold_id, message.mac, now)
                     logger.debug("KV hold %s (hold %s): abandoned: %s %s", message.request_id, message.hold_id,
@@ -235,10 +247,12 @@ class HoldService:
             finally:
                 self._log_events()
 
-    def _release(self, message: Release, now: float, sums: list[UnitSums] | None) -> Released:
+    def _release(self, message: Release, now: float, sums: list[UnitSums] | None,
+                 no_sums: NoSums | None = None) -> Released:
         """Under the lock. The release is decided after the sums: if the lease lapsed meanwhile (and the blocks may
         have been reused), P does not confirm the read, and D does not count it whatever the sums. The ledger keeps
-        the answer for the same release resent (ProducerLedger.answer_release)."""
+        the answer for the same release resent (ProducerLedger.answer_release). ``no_sums``: why a question got none
+        (lifecycle/integrity.NoSums)."""
         answer = self.ledger.answer_release(
             message.request_id, message.hold_id, message.reader, message.expected_readers, now,
             message.lease_token, message.pulled, question=_fingerprint(message),
@@ -250,56 +264,97 @@ class HoldService:
         if self._on_release is not None:
             self._on_release()
         kept = None if answer.sums is None else [UnitSums(t, w) for t, w in _SUMS_DECODER.decode(answer.sums)]
-        return Released(answer.lease_held, kept, sums_lost=answer.sums_lost)
+        asked = message.verify is not None and message.pulled and answer.lease_held and kept is None
+        return Released(answer.lease_held, kept, sums_lost=answer.sums_lost,
+                        no_sums=no_sums.value if no_sums is not None and asked and not answer.sums_lost else "")
 
-    def _defer(self, release: Release) -> Reply | Future[Reply] | None:
-        """On the side-channel thread, in O(1): the answer to a release whose question P checks and sums on its own
-        thread (a Future), one for a release while this reader's is there, or None: handled at once (no question,
-        the reader's lease not live, or too many waiting)."""
+    def _take_release(self, release: Release, now: float) -> Reply | Future[Reply]:
+        """Under the lock, in O(the question's units): a release answered at once, or the answer it will get once
+        its question's sums are done (a Future: the side channel defers it). A copy of a release whose sums run gets
+        the same Future (one slot of the side channel's deferred table, whatever the copies)."""
         key = (release.request_id, release.hold_id, release.reader)
-        with self._lock:
-            waiting = self._pending.get(key)
-            if waiting is not None:  # the same release resent (D gave up on its first socket): the same answer
-                if waiting[0] == release:
-                    return waiting[1]
-                return ErrorReply("this reader's release is being answered (its integrity sums run): send it later")
-            if release.verify is None or self._digester is None:
-                return None
-            held = self.ledger.verifiable_units(release.request_id, release.hold_id, release.reader, self._clock(),
-                                                release.lease_token, self.registration.planes, self._plane_groups)
-            if held is None:
-                logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
-                             release.request_id, release.reader)
-                return None
-            if len(self._pending) >= MAX_PENDING_QUESTIONS:
-                self._refused(release, f"{MAX_PENDING_QUESTIONS} questions already wait", "integrity_questions_waiting")
-                return None
-            future: Future[Reply] = Future()
-            self._pending[key] = (release, future)
-        self._questions.put((release, held, future))
-        return future
+        waiting = self._questions.get(key)
+        if waiting is not None:
+            if waiting.payload.release == release:  # the same release resent (D gave up on its first socket)
+                return waiting.payload.answer
+            # Not the reader's own resend (that is the same release): someone else naming it, the token or a
+            # question changed. The reader's release stays as it is.
+            return ErrorReply("this reader's release is being answered (its integrity sums run): send it later")
+        if release.verify is None or not release.pulled:
+            return self._release(release, now, None)
+        if self._digester is None:
+            return self._release(release, now, None, NoSums.NOT_ANSWERED)
+        held = self.ledger.verifiable_units(release.request_id, release.hold_id, release.reader, now,
+                                            release.lease_token, self.registration.planes, self._plane_groups)
+        if held is None:
+            logger.debug("KV hold %s: integrity question of %s not answered: the reader holds no live lease",
+                         release.request_id, release.reader)
+            return self._release(release, now, None, NoSums.NO_LEASE)
+        question = Question(key, unit_bytes([u.ranges for u in release.verify.units]),
+                            QuestionQueue.deadline(now, release.answer_within_ms), _Asked(release, held, Future()))
+        why, pushed_out = self._questions.admit(question, now)
+        for other in pushed_out:
+            self._unsummed(other, now, NoSums.BUSY, "pushed out of P's question queue by a hold with a smaller share")
+        if why:
+            self._refused(release, why, "integrity_questions_busy")
+            return self._release(release, now, None, NoSums.BUSY)
+        self._work.notify()
+        return question.payload.answer
 
     def _sum_questions(self) -> None:
-        """The questions' thread: checks and sums one question, then decides its release (under the lock) and sets
-        its answer."""
-        while (item := self._questions.get()) is not None:
-            release, held, future = item
-            try:
-                assert release.verify is not None
-                problem = query_problem(release.verify, self.registration.planes, held)
-                sums = None if problem else self._sums(release)
-                with self._lock:
-                    try:
-                        if problem:
-                            self._refused(release, problem, "integrity_question_refused")
-                        reply: Reply = self._release(release, self._clock(), sums)
-                    finally:
-                        self._pending.pop((release.request_id, release.hold_id, release.reader), None)
-                        self._log_events()
-            except Exception as exc:  # noqa: BLE001 - answered as the side channel answers a handler that raised
-                future.set_exception(exc)
-            else:
-                future.set_result(reply)
+        """The questions' thread: the queue's next slice, summed off the lock; a question is checked before its
+        first slice, and answered (its release decided, under the lock) once summed, refused, or past its
+        deadline."""
+        while (work := self._next_slice()) is not None:
+            question, asked = work.question, work.question.payload
+            assert asked.release.verify is not None
+            if work.start == 0:
+                problem = query_problem(asked.release.verify, self.registration.planes, asked.held)
+                if problem:
+                    with self._lock:
+                        if self._questions.drop(question):
+                            self._refused(asked.release, problem, "integrity_question_refused")
+                            self._answer(question, self._clock(), NoSums.REFUSED)
+                    continue
+            started = time.perf_counter()
+            sums = self._sums(asked.release, DigestQuery(asked.release.verify.units[work.start:work.end]))
+            took = time.perf_counter() - started
+            with self._lock:
+                done = self._questions.slice_done(work, sums, took)
+                if done is not None:
+                    self._answer(done, self._clock(), NoSums.FAILED if done.sums is None else None)
+                self._log_events()
+
+    def _next_slice(self) -> Slice[_Asked] | None:
+        """The next slice to sum, once there is one (None: closing); answers the questions past their deadline."""
+        with self._work:
+            while not self._closing:
+                now = self._clock()
+                expired, work = self._questions.next_slice(now)
+                for question in expired:
+                    self._unsummed(question, now, NoSums.BUSY, "its reader's budget ended before its sums")
+                if work is not None:
+                    return work
+                self._work.wait()
+        return None
+
+    def _unsummed(self, question: Question[_Asked], now: float, no_sums: NoSums, why: str) -> None:
+        """Under the lock: a queued question answered without sums, counted and logged."""
+        self._refused(question.payload.release, why, "integrity_questions_busy")
+        self._answer(question, now, no_sums)
+
+    def _answer(self, question: Question[_Asked], now: float, no_sums: NoSums | None = None) -> None:
+        """Under the lock: decide the question's release (after its sums: ``_release``) and set its answer."""
+        asked = question.payload
+        sums = None if no_sums is not None or question.sums is None else [UnitSums(t, w) for t, w in question.sums]
+        try:
+            reply: Reply = self._release(asked.release, now, sums, no_sums)
+        except Exception as exc:  # noqa: BLE001 - answered as the side channel answers a handler that raised
+            asked.answer.set_exception(exc)
+        else:
+            asked.answer.set_result(reply)
+        finally:
+            self._log_events()
 
     def _refused(self, release: Release, problem: str, reason: str) -> None:
         """Under the lock: a question not answered, counted and logged (a WARNING at most once a minute)."""
@@ -308,12 +363,13 @@ class HoldService:
             release.request_id, f"integrity question of {release.reader} not answered: {problem}", reason))
         self._log_events()
 
-    def _sums(self, release: Release) -> list[UnitSums] | None:
+    def _sums(self, release: Release, query: DigestQuery) -> list[tuple[int, int]] | None:
+        """This rank's sums of ``query`` (a slice of the release's question); None when they failed."""
         digester = self._digester
-        if release.verify is None or digester is None:
+        if digester is None:
             return None
         try:
-            return [UnitSums(t, w) for t, w in digester(release.verify)]
+            return [(int(t), int(w)) for t, w in digester(query)]
         except Exception as exc:  # noqa: BLE001 - the release must still be answered
             logger.warning("KV hold %s: integrity sums failed: %s", release.request_id, exc)
             return None
@@ -337,5 +393,7 @@ class HoldService:
 
     def close(self) -> None:
         self._server.close()
-        self._questions.put(None)
+        with self._work:
+            self._closing = True  # the sums thread stops after the slice it reads (about 20 ms)
+            self._work.notify()
         self._summer.join(timeout=5)

@@ -278,6 +278,9 @@ class UnitSums(msgspec.Struct, frozen=True, array_like=True):
     weighted: int
 
 
+MAX_ANSWER_WITHIN_MS = 1 << 31  # a release's answer_within_ms: any real budget; refuses absurd values
+
+
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """D is done with the hold (read, failed, or had nothing to read): P may free it."""
 
@@ -289,6 +292,9 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
     lease_token: OptionalId = ""  # from the claim's ClaimReply; "" from a reader with no lease (it only notifies)
     # The integrity question for what this reader read (None: none asked); P answers it before it frees anything.
     verify: DigestQuery | None = None
+    # How long D waits for the answer, from sending it (ms; 0: not said, an older D): P answers a question whose sums
+    # would end later at once without them (vllm_kvp2p/lifecycle/question_queue.py). A duration, not D's wall clock.
+    answer_within_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_ANSWER_WITHIN_MS)] = 0
 
 
 #: A peer's text meant for logs (a refusal's reason, an error): real ones are under 600 characters.
@@ -339,6 +345,10 @@ class Released(msgspec.Struct, frozen=True, tag="released"):
     # No sums because this is a release P answered before and their answer is no longer kept (a resent release: D
     # counts the pull "sums_lost", not "unverified"); an older P never sets it.
     sums_lost: bool = False
+    # Why a release that asked a question got no sums ("": it got them, or an older P): one of
+    # lifecycle/integrity.NoSums' values, e.g. "busy" (its sums would end after D's budget). Text, not an enum, so
+    # that a newer P's reason never makes the reply undecodable.
+    no_sums: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):

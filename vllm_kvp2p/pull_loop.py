@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification, pull_mode
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, NoSums, Verification, pull_mode
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -62,6 +62,7 @@ from vllm_kvp2p.rank_tables import RankTables
 from vllm_kvp2p.side_channel import (
     PROBE_TIMEOUT_S,
     BadReply,
+    PeerError,
     SideChannelClient,
     SideChannelError,
     Unauthenticated,
@@ -77,6 +78,8 @@ logger = get_logger(__name__)
 R = TypeVar("R", bound=Reply)  # one of the reply types
 #: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
 SLOW_ACTION_S = 1.0
+#: Seconds between two WARNINGs of pulls left unverified because P was too busy to sum in time.
+BUSY_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,8 @@ class PullLoop:
         self._clients_lock = threading.Lock()
         self._claim_seconds: dict[str, float] = {}  # request id -> its claim's round trip, until published
         self._stopping = threading.Event()  # close(): pulls stop reading and only release
+        self._busy_warned_at = float("-inf")  # _warn_busy (pull threads: a race costs a line, no more)
+        self._busy_unwarned = 0
         self.lanes = LaneTable(self.max_threads, self._run, f"kvp2p-pull:{tp_rank}")
 
     def submit(self, plan: PullPlan) -> None:
@@ -373,6 +378,13 @@ class PullLoop:
             try:
                 answer = client.request(*plan.p_endpoint(action.source.p_rank), action.message, timeout=budget,
                                         meanwhile=local_sums if action.verification is not None else None)
+            except PeerError as exc:
+                # P answered, with an error: it is up, only did not take the release (an older P whose deferred
+                # answers were full said "try again"). Sent again within the budget; never "unreachable".
+                logger.info("release of %s to P rank %d answered with an error (%s); sending it again",
+                            plan.request_id, action.source.p_rank, exc)
+                job.on_release_refused(action.source, time.monotonic(), str(exc))
+                return
             except SideChannelError as exc:
                 # P is gone or unreachable: its hold timeout frees the blocks; its other ranks are not tried.
                 logger.warning("release of %s to P rank %d not delivered (%s); its other ranks are not tried, P's "
@@ -388,7 +400,7 @@ class PullLoop:
                                "D's first wait to sum, e.g. integrity=full on large holds); the pull counts as "
                                "sums_lost, not verified", plan.request_id, action.source.p_rank)
             job.on_release_sent(action.source, released is not None and released.lease_held, mine or (), theirs,
-                                lost)
+                                lost, released.no_sums if released is not None else "")
 
     def _local_sums(self, plan: PullPlan, verification: Verification | None) -> list[tuple[int, int]] | None:
         """D's sums over its copies of the units the release asks P about; None when none are asked or they
@@ -460,10 +472,27 @@ class PullLoop:
             logger.warning("pull of %s failed (%s): %s%s", result.request_id, kind, result.reason,
                            f" [{hint}]" if hint else "")
         else:
-            logger.debug("pull of %s done (%s): %d blocks, %d bytes", result.request_id, result.outcome.value,
-                         result.num_blocks, result.num_bytes)
+            logger.debug("pull of %s done (%s): %d blocks, %d bytes%s", result.request_id, result.outcome.value,
+                         result.num_blocks, result.num_bytes,
+                         f", unverified: {result.unverified_reason}" if result.unverified else "")
+            if result.unverified and result.unverified_reason.endswith(f": {NoSums.BUSY.value}"):
+                self._warn_busy(result)
             if result.num_blocks and self.after_pull is not None:
                 self.after_pull(plan, result)
+
+
+    def _warn_busy(self, result: PullResult) -> None:
+        """A pull unverified because P's integrity sums were too busy to answer within D's budget: a WARNING at most
+        once a minute (P's question queue is full of other readers' questions, or P's sums are slow)."""
+        now = time.monotonic()
+        if now - self._busy_warned_at < BUSY_WARNING_INTERVAL_S:
+            self._busy_unwarned += 1
+            return
+        more = f" ({self._busy_unwarned} more since the last warning)" if self._busy_unwarned else ""
+        self._busy_warned_at, self._busy_unwarned = now, 0
+        logger.warning("pull of %s counts as unverified: %s (P's integrity sums could not answer within this "
+                       "release's budget, side_channel_timeout: P's question queue is busy with other readers' "
+                       "questions, or its sums are slow)%s", result.request_id, result.unverified_reason, more)
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:

@@ -44,6 +44,16 @@ class IntegrityMode(str, enum.Enum):
     FULL = "full"  # every unit of every pull
 
 
+class NoSums(str, enum.Enum):
+    """Why P gave a release's question no sums (``Released.no_sums``; D counts the pull unverified, with it)."""
+
+    BUSY = "busy"  # its sums would end after the reader's budget, or its hold's share of P's queue is full
+    REFUSED = "refused"  # the question broke one of P's rules (query_problem)
+    NO_LEASE = "no_lease"  # the reader holds no live lease on the hold, or the release lacks its token
+    NOT_ANSWERED = "not_answered"  # this P answers no questions (no KV memory to sum)
+    FAILED = "failed"  # P's sums raised
+
+
 @dataclass(frozen=True)
 class LocalRun:
     """Where D wrote bytes ``offset`` .. ``offset + length`` of query unit ``unit``: at ``addr``."""

@@ -41,7 +41,16 @@ from vllm_kvp2p.lifecycle.pull_actions import (
 )
 from vllm_kvp2p.lifecycle.read_plan import read_descriptors
 from vllm_kvp2p.lifecycle.stages import coverage_problem, plane_pairs
-from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Release, Renew, UnitSums
+from vllm_kvp2p.protocol import (
+    MAX_ANSWER_WITHIN_MS,
+    Claim,
+    ClaimReply,
+    ClaimStatus,
+    RankRegistration,
+    Release,
+    Renew,
+    UnitSums,
+)
 from vllm_kvp2p.transfer.descriptors import Descriptors
 
 __all__ = [
@@ -54,6 +63,9 @@ UNKNOWN_RETRY_FIRST = 0.001
 UNKNOWN_RETRY_MAX = 0.05
 # Characters of a failure reason kept (it ends up in a WARNING and in the request's kv_transfer_params).
 MAX_REASON = 1000
+# A release P answered with an error (it is up, but did not take it: a P of an older release whose table of
+# deferred answers was full said "try again") is sent again after this, within the releases' budget.
+RELEASE_RETRY_S = 0.1
 
 
 class _Phase(enum.Enum):
@@ -76,6 +88,8 @@ class _SourceState:
     lease_token: str = ""  # from P's GRANTED claim reply; renewals and the release carry it
     batches: list[Descriptors] = field(default_factory=list)
     released: bool = False
+    release_retry_at: float = 0.0  # P answered its release with an error: sent again then
+    release_error: str = ""  # what P answered it, the last time
     registration_in_claim: bool = False  # none cached: the claim asks for it
     fetch_registration: bool = False  # P granted without it (an older P): fetch it before reading
     verification: Verification | None = None  # the integrity question for what is read from this rank
@@ -113,7 +127,7 @@ class ConsumerPull:
         self.integrity = integrity
         self.sampled_units = sampled_units
         self._verified_units = 0
-        self._unverified = False
+        self._unverified = ""  # why a rank read from gave no sums ("": every one did)
         self._sums_lost = False
         self.reader = reader
         self.local = local
@@ -159,8 +173,10 @@ class ConsumerPull:
                 self._give_up_releases()
             for st in self._sources:
                 if not st.released:
+                    if now < st.release_retry_at:
+                        return Wait(st.release_retry_at)
                     asked = st.verification if self._pulled(st.source) else None
-                    return SendRelease(st.source, self._release(st, asked), asked)
+                    return SendRelease(st.source, self._release(st, now, asked), asked)
             self._phase = _Phase.DONE
             self._result = self._make_result()
             return Finish(self._result)
@@ -279,12 +295,12 @@ class ConsumerPull:
             self._next_source()
 
     def on_release_sent(self, source: Source, lease_held: bool = True, mine: Sequence[tuple[int, int]] = (),
-                        theirs: Sequence[UnitSums] | None = None, sums_lost: bool = False) -> None:
+                        theirs: Sequence[UnitSums] | None = None, sums_lost: bool = False, no_sums: str = "") -> None:
         """P answered the release; ``lease_held``: P confirms the lease held from claim to release. A read from
         this rank counts only then: otherwise its blocks may have been freed and reused during the read. With the
         release's integrity question, ``mine`` are D's sums over its copies and ``theirs`` P's answer: a read
-        counts only when they are equal (none from P: unverified, counted, not failed; none because P no longer
-        kept its answer to this release, resent, ``sums_lost``: counted apart)."""
+        counts only when they are equal (none from P: unverified, counted, not failed, ``no_sums`` saying why, e.g.
+        ``busy``; none because P no longer kept its answer to this release, resent, ``sums_lost``: counted apart)."""
         for st in self._sources:
             if st.source == source:
                 if self._pulled(st.source) and not lease_held:
@@ -292,12 +308,23 @@ class ConsumerPull:
                                      "(it lapsed: the blocks may have been freed during the read)")
                     self._kind = Failure.LEASE_LOST
                 elif self._pulled(st.source) and st.verification is not None:
-                    self._judge(st, judge(st.verification.query, mine, theirs, sums_lost))
+                    why = no_sums[:64] or ("no sums and no reason (a P of an older release)" if theirs is None else
+                                           "the sums could not be compared (D's failed, or P's do not fit)")
+                    self._judge(st, judge(st.verification.query, mine, theirs, sums_lost), why)
                 st.released = True
 
-    def _judge(self, st: _SourceState, judgement: Judgement) -> None:
+    def on_release_refused(self, source: Source, now: float, error: str) -> None:
+        """P answered the release with an error: it is up (not ``unreachable``, not suspect), but did not take the
+        release (a P of an older release whose deferred answers were full: "try again"). Sent again after
+        ``RELEASE_RETRY_S`` while the releases' budget lasts; past it the read is not confirmed (``timeout``)."""
+        for st in self._sources:
+            if st.source == source and not st.released:
+                st.release_retry_at = now + RELEASE_RETRY_S
+                st.release_error = error[:MAX_REASON]
+
+    def _judge(self, st: _SourceState, judgement: Judgement, why: str) -> None:
         if judgement.verdict is Verdict.UNVERIFIED:
-            self._unverified = True
+            self._unverified = self._unverified or f"P rank {st.source.p_rank}: {why}"
         elif judgement.verdict is Verdict.SUMS_LOST:
             self._sums_lost = True
         elif judgement.verdict is Verdict.MATCHED:
@@ -399,7 +426,9 @@ class ConsumerPull:
     def _give_up_releases(self) -> None:
         for st in self._sources:
             if not st.released and self._pulled(st.source):  # a read P never confirmed does not count
-                self._failure = f"no release answered by P rank {st.source.p_rank} in time: the read is not confirmed"
+                said = f" (it answered: {st.release_error})" if st.release_error else ""
+                self._failure = (f"no release answered by P rank {st.source.p_rank} in time{said}: the read is not "
+                                 "confirmed")
                 self._kind = Failure.TIMEOUT
             st.released = True
 
@@ -436,10 +465,15 @@ class ConsumerPull:
         """Whether this pull read from ``source`` and still counts that read (so P's confirmation matters)."""
         return not self._failure and bool(source.slices) and bool(self.plan.num_blocks) and self.plan.awaiting
 
-    def _release(self, st: _SourceState, asked: Verification | None = None) -> Release:
+    def _release(self, st: _SourceState, now: float, asked: Verification | None = None) -> Release:
+        """With a question, how long D waits for its answer (what the side-channel call is given: the releases'
+        budget left, at most ``release_timeout``): P answers without sums rather than after that."""
         r, source = self.plan.remote, st.source
+        within = min(self._release_timeout, self._release_deadline - now) if asked is not None else 0.0
+        within_ms = int(within * 1000) if math.isfinite(within) else 0
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
-                       self._pulled(source), st.lease_token, asked.query if asked is not None else None)
+                       self._pulled(source), st.lease_token, asked.query if asked is not None else None,
+                       answer_within_ms=min(max(0, within_ms), MAX_ANSWER_WITHIN_MS))
 
     def _make_result(self) -> PullResult:
         plan = self.plan
@@ -460,7 +494,8 @@ class ConsumerPull:
             reason=self._failure,
             failure=self._kind if outcome is Outcome.FAILED else None,
             verified_units=self._verified_units if outcome is Outcome.PULLED else 0,
-            unverified=self._unverified and outcome is Outcome.PULLED,
+            unverified=bool(self._unverified) and outcome is Outcome.PULLED,
+            unverified_reason=self._unverified if outcome is Outcome.PULLED else "",
             sums_lost=self._sums_lost and outcome is Outcome.PULLED,
             unreachable_rank=self._unreachable_rank if self._kind is Failure.UNREACHABLE else None,
         )

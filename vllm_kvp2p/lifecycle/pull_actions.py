@@ -120,7 +120,8 @@ class PullResult:
     reason: str = ""
     failure: Failure | None = None  # set when the outcome is FAILED
     verified_units: int = 0  # units whose digests P and D compared and found equal
-    unverified: bool = False  # a rank read from gave no digests (an older P), with integrity checks on
+    unverified: bool = False  # a rank read from gave no digests (an older P, P busy), with integrity checks on
+    unverified_reason: str = ""  # why, e.g. "P rank 0: busy" (Released.no_sums: P's sums would end after D's budget)
     sums_lost: bool = False  # a rank's digests were lost: it answered the release before, not the copy D got
     unreachable_rank: int | None = None  # the P rank that did not answer (failure UNREACHABLE)
 

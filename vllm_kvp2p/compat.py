@@ -18,6 +18,9 @@ The differences handled here (0.23 -> 0.32):
   scope (:func:`install_kv_allocation_route`);
 * ``CacheHitSource`` (0.32's per-source prefix-hit metrics) is absent from 0.23 (:data:`P2P_CACHE_HIT_SOURCE`);
 * ``ParallelConfig.data_parallel_index`` (:func:`data_parallel_index`).
+
+Not a difference but a vLLM seam kept here: where the engine core has its workers load a LoRA adapter
+(:func:`watch_lora_loads`, for vllm_kvp2p/lora_weights.py).
 """
 
 from __future__ import annotations
@@ -373,3 +376,45 @@ def install_kv_allocation_route() -> str:
         return route
     function_route = wrap_allocation_function(module, ALLOCATION_FUNCTION_ROUTE[1])
     return function_route if not function_route.startswith("none") else f"{route[:-1]}; {function_route[6:]}"
+
+
+# ------------------------------------------------------------------------------------- LoRA loads
+
+#: Where vLLM's engine core has its workers load a LoRA adapter outside a request's step (``--lora-modules`` at
+#: start-up, ``/v1/load_lora_adapter``, LoRA resolvers): ``EngineCore.add_lora`` -> ``model_executor.add_lora`` ->
+#: every worker's ``add_lora``, in the engine-core process whatever the executor; the same in 0.23 and 0.32.
+LORA_LOAD_ROUTE = ("vllm.v1.engine.core", "EngineCore", "add_lora")
+
+
+def watch_lora_loads(around: Any) -> str:
+    """Run every engine-level LoRA load of this process inside ``around(lora_request)`` (a context manager:
+    vllm_kvp2p/lora_weights.py looks at the adapter's files before and after the workers read them). Once per
+    process; returns the route for the log: "wrapped EngineCore.add_lora", or "none (...)" when vLLM has no such
+    method or it takes other arguments (then those loads cannot be watched and the caller binds no adapter)."""
+    import functools
+    import importlib
+    import inspect
+
+    module_name, class_name, method_name = LORA_LOAD_ROUTE
+    route = f"wrapped {class_name}.{method_name}"
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        return f"none ({module_name}.{class_name} not found: {exc})"
+    method = getattr(owner, method_name, None)
+    if method is None:
+        return f"none ({class_name} has no {method_name})"
+    if getattr(method, "_kvp2p_watched", False):
+        return route
+    parameters = list(inspect.signature(method).parameters)
+    if parameters != ["self", "lora_request"]:
+        return f"none ({class_name}.{method_name} takes ({', '.join(parameters)}), not (self, lora_request))"
+
+    @functools.wraps(method)
+    def add_lora(self: Any, lora_request: Any) -> Any:
+        with around(lora_request):
+            return method(self, lora_request)
+
+    add_lora._kvp2p_watched = True  # type: ignore[attr-defined]
+    setattr(owner, method_name, add_lora)
+    return route

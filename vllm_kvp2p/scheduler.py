@@ -34,7 +34,7 @@ from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.shared_holds import MAX_ENDED_HOLDS
 from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
 from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.lora_weights import lora_digest
+from vllm_kvp2p.lora_weights import lora_digest, see_adapter, watch_engine_loads
 from vllm_kvp2p.metadata import HoldOrder, KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
@@ -111,6 +111,7 @@ class SchedulerSide:
         self._crashed: OrderedDict[str, None] = OrderedDict()  # requests a hook failed on (logged once each)
         self._digests: OrderedDict[str, tuple[int, str]] = OrderedDict()  # D: request -> (tokens, their digest)
         self._unbound_warned: OrderedDict[str, None] = OrderedDict()  # P: prompts not offered, one WARNING each why
+        watch_engine_loads(vllm_config)  # LoRA: the engine's own adapter loads are looked at (lora_weights.py)
 
     def _warn_unbound(self, why: str) -> None:
         """P: a finished prefill offered to no decoder because its prompt cannot be bound (the adapter's weights
@@ -171,9 +172,12 @@ class SchedulerSide:
     # ------------------------------------------------------------------ P: admission
 
     def on_new_request(self, request: Request) -> None:
-        """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/kv_groups.py)."""
+        """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/kv_groups.py). Any
+        request with a LoRA adapter: its files looked at before a worker can load them for it (lora_weights.py)."""
         params = request.kv_transfer_params
         try:
+            if getattr(request, "lora_request", None) is not None:
+                see_adapter(request.lora_request)
             if (self.is_producer and isinstance(params, dict) and params.get("do_remote_decode")
                     and has_state(self.groups)):
                 _drop_last_prompt_token(request)

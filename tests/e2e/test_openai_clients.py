@@ -14,7 +14,6 @@ non-streaming client that left kept D decoding for nobody.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -238,30 +237,8 @@ def engine_core(server: VllmServer) -> psutil.Process:
     return cores[0]
 
 
-def test_a_client_that_leaves_while_p_prefills_leaves_no_hold(cluster: Cluster) -> None:
-    """P's engine is held still so the client leaves for sure before its prefill ends: the proxy drops P's
-    connection, P's API server aborts the request, and the engine, thawed, frees it without a hold."""
-    core = engine_core(cluster.prefill)
-    before = holds(cluster.prefill)
-    d_before = present(cluster.decode, "vllm:request_success_total")
-    core.send_signal(signal.SIGSTOP)
-    try:
-        sock = send_and_leave(cluster.proxy_url, body(prompt_ids(300, seed=3670), max_tokens=200))
-        time.sleep(1.0)  # P's API server has the request; its engine does not run
-        sock.close()
-        time.sleep(1.0)  # the proxy notices, drops P's connection, P's API server aborts
-    finally:
-        core.send_signal(signal.SIGCONT)
-    # Time for what would follow if P's request had survived: its prefill, a hold, D's pull (~0.2 s here).
-    time.sleep(2.0)
-    assert wait_kv_idle(cluster.prefill, timeout=10) == 0.0
-    wait_for(lambda: present(cluster.prefill, "vllm:num_requests_running"), 0.0, timeout=10)
-    moved = {k: v - before[k] for k, v in holds(cluster.prefill).items()}
-    assert moved == {"created": 0, "released": 0, "expired": 0}, moved
-    assert present(cluster.decode, "vllm:request_success_total") == d_before  # D never got it
-    assert present(cluster.decode, "vllm:num_requests_running") == 0.0
-    # Both still serve.
-    assert post(cluster.proxy_url + "/v1/completions", body(prompt_ids(40, seed=3671)))["choices"]
+# A client that leaves while P prefills: P's request runs to its answer and the hold is abandoned
+# (tests/e2e/test_holds_reach_d_or_are_abandoned.py, with every other stage a client can leave at).
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -32,7 +32,8 @@ CONNECTOR_SERIES = (
     "kvp2p_pull_seconds", "kvp2p_pull_bytes", "kvp2p_pull_descriptors", "kvp2p_claim_rtt_seconds",
     "kvp2p_pull_failures_total", "kvp2p_pulls_verified_total", "kvp2p_pulls_unverified_total",
     "kvp2p_pulls_sums_lost_total", "kvp2p_holds_created_total", "kvp2p_holds_released_total",
-    "kvp2p_holds_expired_total", "kvp2p_claims_refused_total", "kvp2p_side_channel_dropped_total",
+    "kvp2p_holds_expired_total", "kvp2p_holds_abandoned_total", "kvp2p_claims_refused_total",
+    "kvp2p_side_channel_dropped_total",
     "kvp2p_blocks_held", "kvp2p_oldest_hold_age_seconds",
 )  # fmt: skip
 #: Panels whose first query must be above zero after pulls (the rest may rightly be 0: failures, expiries, drops).

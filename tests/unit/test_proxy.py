@@ -1147,11 +1147,12 @@ def test_absurd_prompts_are_answered_and_routing_stays_bounded(
 
 
 def test_oversized_body_is_413_and_never_reaches_p(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
-    """A body over the proxy's cap (64 MiB) gets a clear 413 without being read whole or sent anywhere."""
-    from vllm_kvp2p.proxy.asgi import MAX_REQUEST_BYTES
+    """A body over the proxy's cap (--max-body-bytes, 8 MiB) gets a clear 413 without being read whole or sent
+    anywhere (tests/unit/test_proxy_large_bodies.py: the bound's reasons)."""
+    from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BODY_BYTES
 
     url = one_pd(stubs, make_proxy)
-    r = httpx.post(url + "/v1/completions", content=b"x" * (MAX_REQUEST_BYTES + 1), timeout=CLIENT_TIMEOUT)
+    r = httpx.post(url + "/v1/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1), timeout=CLIENT_TIMEOUT)
     assert r.status_code == 413 and "request body over" in r.json()["error"]["message"]
     assert stubs["P0"].received == [] and stubs["D0"].received == []
     assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=CLIENT_TIMEOUT).status_code == 200

@@ -323,14 +323,9 @@ class PDProxy:
             return exc.answer
 
     def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from exc
-        if not isinstance(body, dict):
-            raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
-        ENDPOINTS[path].check(body, self.limits)
-        return body
+        """``raw`` as ``path``'s request: parsed within the proxy's bounds and checked, before any P is asked
+        (:meth:`Endpoint.parse <vllm_kvp2p.proxy.endpoints.Endpoint.parse>`)."""
+        return ENDPOINTS[path].parse(raw, self.limits)
 
     async def run_one(self, body: dict[str, Any], headers: dict[str, str], path: str, rid: str) -> Answer | Relay:
         """P then D for one prompt; raises :class:`ProxyError` / :class:`PassThrough` for the client's answer."""

@@ -36,9 +36,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: The largest request body the proxy reads (a 2,000,000-character prompt is ~2 MB); a larger one gets a 413.
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
-
 
 class ClientGone(Exception):
     """The client disconnected before its request body was read."""
@@ -76,13 +73,12 @@ class ProxyASGI:
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._serve(scope, receive, send, lambda body, headers, path: forward(self.proxy, path, body, headers))
 
-    @staticmethod
-    async def _serve(scope: Scope, receive: Receive, send: Send,
+    async def _serve(self, scope: Scope, receive: Receive, send: Send,
                      handler: Callable[[bytes, dict[str, str], str], Awaitable[Answer | Relay]]) -> None:
-        """Read the body, run ``handler`` until it answers or the client leaves (then it is cancelled and
-        everything it held is released), send the answer (a stream relayed)."""
+        """Read the body (at most ``--max-body-bytes``), run ``handler`` until it answers or the client leaves (then
+        it is cancelled and everything it held is released), send the answer (a stream relayed)."""
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, self.proxy.limits.max_body_bytes, _content_length(scope))
         except ClientGone:
             return
         except ProxyError as exc:
@@ -128,8 +124,28 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def read_body(receive: Receive, limit: int = MAX_REQUEST_BYTES) -> bytes:
-    """The whole request body; :class:`ClientGone` if the client leaves first, a 413 past ``limit`` bytes."""
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses such a request itself
+    return None
+
+
+def too_large(limit: int) -> ProxyError:
+    """The 413 of a body over ``limit`` bytes, naming the setting."""
+    return ProxyError(413, f"request body over {limit} bytes, the proxy's limit (--max-body-bytes; a body costs "
+                           "the proxy's event loop time in proportion to its size: docs/api.md)",
+                      "invalid_request_error")
+
+
+async def read_body(receive: Receive, limit: int, declared: int | None = None) -> bytes:
+    """The whole request body; :class:`ClientGone` if the client leaves first, a 413 past ``limit`` bytes (at once
+    when its Content-Length, ``declared``, says so: nothing of it is read)."""
+    if declared is not None and declared > limit:
+        raise too_large(limit)
     parts: list[bytes] = []
     size = 0
     while True:
@@ -139,7 +155,7 @@ async def read_body(receive: Receive, limit: int = MAX_REQUEST_BYTES) -> bytes:
         part = message.get("body", b"")
         size += len(part)
         if size > limit:
-            raise ProxyError(413, f"request body over {limit} bytes", "invalid_request_error")
+            raise too_large(limit)
         parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)

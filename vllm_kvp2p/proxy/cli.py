@@ -17,7 +17,7 @@ from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.server import create_app
-from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N
+from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_N,
         metavar="N",
-        help="the largest n a request may ask for; past it a 400 before any P is asked (default: %(default)s, "
-        "vLLM's own VLLM_MAX_N_SEQUENCES)",
+        help="the most sequences one request may ask for: its n, times its prompts when it is a batch; past it a 400 "
+        "before any P is asked (default: %(default)s, vLLM's own VLLM_MAX_N_SEQUENCES)",
     )
     requests.add_argument(
         "--max-batch-prompts",
@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BATCH_PROMPTS,
         metavar="N",
         help="the most prompts one /v1/completions request may list; past it a 400 (default: %(default)s)",
+    )
+    requests.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="the largest request body the proxy reads; past it a 413. The default holds a 1,000,000-token prompt as "
+        "token ids; the proxy's event loop spends up to ~70 ms per MiB of body, every other client waiting "
+        "(default: %(default)s)",
     )
     requests.add_argument(
         "--max-batch-concurrency",
@@ -281,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tokenize_timeout <= 0:
         parser.error("--tokenize-timeout must be positive")
-    for flag in ("max_n", "max_batch_prompts", "max_batch_concurrency"):
+    for flag in ("max_n", "max_batch_prompts", "max_batch_concurrency", "max_body_bytes"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
@@ -302,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokenizer=args.tokenizer,
             max_n=args.max_n,
             max_batch_prompts=args.max_batch_prompts,
+            max_body_bytes=args.max_body_bytes,
             max_batch_concurrency=args.max_batch_concurrency,
             cache_headers=args.cache_headers,
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from vllm_kvp2p.proxy.json_body import parse_body
 from vllm_kvp2p.proxy.validation import Limits, check_request, check_responses
 
 #: ``kv_transfer_params`` sent to the prefill instance: "compute the KV and keep it for a remote decoder".
@@ -57,6 +58,13 @@ class Endpoint:
     prompt: Literal["prompt", "messages"] | None = None
     #: Raises a 400 :class:`~vllm_kvp2p.proxy.upstream.ProxyError` naming the first field the proxy refuses.
     check: Callable[[dict[str, Any], Limits], None] = lambda body, limits: None
+
+    def parse(self, raw: bytes, limits: Limits) -> dict[str, Any]:
+        """The client's body, parsed within the proxy's bounds (:mod:`json_body`) and checked (:attr:`check`);
+        a 400 :class:`~vllm_kvp2p.proxy.upstream.ProxyError` saying what is wrong otherwise."""
+        body = parse_body(raw)
+        self.check(body, limits)
+        return body
 
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The copy of the client's ``body`` sent to P (``body`` itself, D's, is left as it is)."""

@@ -29,7 +29,7 @@ from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader, reader_snapshot
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import normalize_url
-from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_N, Limits
+from vllm_kvp2p.proxy.validation import DEFAULT_MAX_BATCH_PROMPTS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, Limits
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -54,6 +54,7 @@ def create_app(
     tokenizer: str | None = None,
     max_n: int = DEFAULT_MAX_N,
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
     cache_headers: bool = False,
 ) -> ProxyASGI:
@@ -71,8 +72,10 @@ def create_app(
     :class:`~vllm_kvp2p.proxy.block_hashes.HashSettingsError` for settings that could never match them).
     ``tokenizer`` (the engines' tokenizer files) lets the proxy tokenize text completion prompts itself rather
     than ask a P's ``/tokenize`` (raises :class:`~vllm_kvp2p.proxy.local_tokenizer.TokenizerSettingsError`).
-    ``max_n`` bounds a request's ``n``, ``max_batch_prompts`` the prompts of one batched completion request (400
-    past either, before any P is asked); a batch runs ``max_batch_concurrency`` prompts at once (docs/api.md).
+    ``max_n`` bounds the sequences of one request (its ``n``, times its prompts when it is a batch),
+    ``max_batch_prompts`` the prompts of one batched completion request (400 past either, before any P is asked),
+    ``max_body_bytes`` a request's body (413 past it); a batch runs ``max_batch_concurrency`` prompts at once
+    (docs/api.md).
     ``cache_headers`` adds ``X-KVP2P-Prefill-Cached-Tokens`` / ``X-KVP2P-Decode-Cached-Tokens`` to every answer:
     off by default, since any client could then learn which prefixes other clients' prompts share.
     ``prefill_urls`` empty makes the proxy of ordinary instances: each request goes whole to one of
@@ -106,7 +109,7 @@ def create_app(
         # Loaded only when prompts are hashed at all: without KV events the tokens would be unused.
         prompts=None if hasher is None else PromptReader(
             hasher, timeout_s=tokenize_timeout_s, local_tokenizer=LocalTokenizer(tokenizer) if tokenizer else None),
-        limits=Limits(max_n=max_n, max_batch_prompts=max_batch_prompts),
+        limits=Limits(max_n=max_n, max_batch_prompts=max_batch_prompts, max_body_bytes=max_body_bytes),
         max_batch_concurrency=max_batch_concurrency,
         cache_headers=cache_headers,
     )

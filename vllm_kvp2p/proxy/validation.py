@@ -34,6 +34,10 @@ from vllm_kvp2p.proxy.upstream import ProxyError
 DEFAULT_MAX_N = 16384
 #: The most prompts one batched ``/v1/completions`` request may carry (``--max-batch-prompts``).
 DEFAULT_MAX_BATCH_PROMPTS = 1024
+#: The largest request body the proxy reads (``--max-body-bytes``): the largest real prompt, 1,000,000 tokens as
+#: token ids (at most 8 bytes each: six digits and ", "). A body costs the proxy's event loop up to ~70 ms per MiB
+#: (token ids, parsed here and re-serialised for P and D: docs/performance.md), every other client waiting.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
 _GREEDY_TEMPERATURE = 1e-5
@@ -46,12 +50,15 @@ _FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
 class Limits:
     """The proxy's bounds on a request (its settings)."""
 
+    #: The most sequences one request may ask for: its ``n`` times its prompts (a batch's).
     max_n: int = DEFAULT_MAX_N
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
-        if self.max_n < 1 or self.max_batch_prompts < 1:
-            raise ValueError(f"max_n={self.max_n}, max_batch_prompts={self.max_batch_prompts}: both must be >= 1")
+        if self.max_n < 1 or self.max_batch_prompts < 1 or self.max_body_bytes < 1:
+            raise ValueError(f"max_n={self.max_n}, max_batch_prompts={self.max_batch_prompts}, max_body_bytes="
+                             f"{self.max_body_bytes}: each must be >= 1")
 
 
 def invalid(param: str, message: str) -> ProxyError:
@@ -104,7 +111,10 @@ def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
     n = check_n(body, chat=chat, limits=limits)
     _check_greedy(body, n)
     if not chat:
-        check_prompt(body.get("prompt"), limits)
+        prompts = check_prompt(body.get("prompt"), limits)
+        if n * prompts > limits.max_n:  # a batch multiplies n: one request, n sequences per prompt
+            raise invalid("n", f"prompt holds {prompts} prompts and n is {n}: {n * prompts} sequences, more than "
+                               f"the proxy takes in one request (at most {limits.max_n}: its --max-n)")
         embeds = body.get("prompt_embeds")
         if isinstance(embeds, list) and len(embeds) > 1:
             # vLLM would prefill them as one batch on P and answer one prompt's kv_transfer_params: not split here.
@@ -156,14 +166,16 @@ def _check_greedy(body: dict[str, Any], n: int) -> None:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+    """A list of integers >= 0 (bools not: their type is not int). In C: a 1,000,000-token prompt costs ~30 ms."""
+    return isinstance(value, list) and (not value or (set(map(type, value)) == {int} and min(value) >= 0))
 
 
-def check_prompt(prompt: Any, limits: Limits) -> None:
+def check_prompt(prompt: Any, limits: Limits) -> int:
     """A completion ``prompt``: a string, token ids, or a batch of at most ``max_batch_prompts`` strings or of
-    token-id lists (never both). Anything not a list is left to vLLM (``prompt_embeds`` may stand in for it)."""
+    token-id lists (never both); returns its number of prompts. Anything not a list is left to vLLM
+    (``prompt_embeds`` may stand in for it): one prompt."""
     if not isinstance(prompt, list):
-        return
+        return 1
     if not prompt:
         raise invalid("prompt", "prompt must not be an empty list")
     if all(isinstance(p, str) for p in prompt):
@@ -175,13 +187,14 @@ def check_prompt(prompt: Any, limits: Limits) -> None:
                 raise invalid("prompt", f"prompt[{i}] must be a non-empty list of token ids (integers >= 0), "
                                         f"got {_shown(ids)}")
     elif _is_token_ids(prompt):
-        return  # one prompt's token ids
+        return 1  # one prompt's token ids
     else:
         raise invalid("prompt", "prompt must be a string, a list of token ids (integers >= 0), or a list of "
                                 f"strings or of token-id lists, not mixed: got {_shown(prompt)}")
     if len(prompt) > limits.max_batch_prompts:
         raise invalid("prompt", f"prompt holds {len(prompt)} {kind}: the proxy takes at most "
                                 f"{limits.max_batch_prompts} per request (--max-batch-prompts)")
+    return len(prompt)
 
 
 def _bool_field(body: dict[str, Any], name: str, where: dict[str, Any] | None = None,

@@ -203,13 +203,13 @@ class AdapterBook:
 
 def _readable(lora: Any) -> str:
     name = str(getattr(lora, "lora_name", ""))[:256] or "<name>"
-    return ("P and D bind a prompt to a LoRA adapter by its weights, so the adapter must be readable where vLLM's "
-            "engine core runs, on P and on D, before the engine loads it: a local directory in --lora-modules "
-            f"{name}=<directory> (or the lora_path of a load_lora_adapter request)")
+    return ("P and D bind a LoRA adapter by its weights, read where vLLM's engine core runs before it loads them: "
+            f"give a local directory (--lora-modules {name}=<directory>, or load_lora_adapter's lora_path)")
 
 
-_CHANGED = ("Its workers may compute with the weights read before, and its prefix cache may hold KV of them: load "
-            "the new weights under a new adapter name (or restart the engine) to bind them")
+#: Short: D's refusal reasons are cut at admission.MAX_REASON characters, this and the path included.
+_CHANGED = ("The engine may compute with the weights it read before, and cache their KV: load new weights under a new "
+            "adapter name, or restart it")
 
 #: The process's only book (one engine core per process); tests give each simulated engine its own.
 book = AdapterBook()

@@ -29,7 +29,7 @@ from vllm_kvp2p import compat
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import ConfigError, KVP2PConfig
 from vllm_kvp2p.kv_groups import FULL, SLIDING, KVGroup, single_full_group
-from vllm_kvp2p.lifecycle.admission import Decoder, Refused, judge
+from vllm_kvp2p.lifecycle.admission import Decoder, Prompt, Refused, judge
 from vllm_kvp2p.lifecycle.pull_actions import LocalKV
 from vllm_kvp2p.lifecycle.stages import coverage_problem
 from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout
@@ -138,6 +138,28 @@ def _proxy_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
         main(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--prefill-kv-events", "tcp://127.0.0.1:9",
               "--tokenizer", str(tmp_path / "missing")])  # a tokenizer is loaded for prefix routing
     return capsys.readouterr().err.strip().splitlines()[-1]  # argparse: usage, then "PROG: error: MESSAGE"
+
+
+def _lora_refusal(tmp_path: Path, *, changed: bool) -> str:
+    """D's verdict when its LoRA adapter cannot be bound: not readable here, or its files rewritten after the engine
+    first read them (vllm_kvp2p/lora_weights.py)."""
+    from types import SimpleNamespace
+
+    from vllm_kvp2p.lora_weights import AdapterBook
+
+    directory = tmp_path / "sql"
+    if changed:
+        directory.mkdir()
+        (directory / "adapter_model.safetensors").write_bytes(b"May")
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(directory))
+    book = AdapterBook()
+    book.see(lora)  # the engine looks before its workers load it
+    if changed:
+        (directory / "adapter_model.safetensors").write_bytes(b"June")
+    decoder = Decoder(16, single_full_group(16), peer_ports=config().peer_port_ranges())
+    verdict = judge(_issued(), Prompt(60, lambda n: book.digest(lora)), decoder)
+    assert isinstance(verdict, Refused), verdict
+    return verdict.reason
 
 
 def _proxy_without_transformers(monkeypatch: pytest.MonkeyPatch) -> str:
@@ -289,6 +311,19 @@ CASES = [
     Quoted("troubleshooting.md", "vllm-kvp2p-proxy: error: --tokenizer ...: cannot load a tokenizer there",
            _proxy_tokenizer, part=True),
     Quoted("troubleshooting.md", "needs the 'transformers' package", _proxy_without_transformers, part=True),
+    # --- lora_weights.py: a LoRA adapter whose weights D's engine cannot tell
+    Quoted("troubleshooting.md",
+           "this request's prompt cannot be bound to P's: LoRA adapter '<name>' (id <n>): its path '<path>' is not a "
+           "directory here (...). P and D bind a LoRA adapter by its weights, ... (--lora-modules <name>=<directory>, "
+           "...)",
+           lambda tmp_path: _lora_refusal(tmp_path, changed=False), part=True),  # after "invalid ...: "
+    Quoted("troubleshooting.md",
+           "this request's prompt cannot be bound to P's: LoRA adapter '<name>' (id <n>): its files in <directory> "
+           "changed since this engine first read them (<file> rewritten). ...",
+           lambda tmp_path: _lora_refusal(tmp_path, changed=True), part=True),
+    Quoted("security.md",
+           "... LoRA adapter '<name>' (id <n>): its files in <directory> changed since this engine first read them "
+           "(...)", lambda tmp_path: _lora_refusal(tmp_path, changed=True), part=True),
 ]
 
 

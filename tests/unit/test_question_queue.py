@@ -122,13 +122,28 @@ def test_a_question_still_waiting_at_its_deadline_is_answered_then() -> None:
 def test_an_empty_queue_admits_whatever_the_speed_measured() -> None:
     """Nothing to wait for: the question is summed, and its slices measure the speed afresh (a slow spell does not
     turn every later question away), and answered at its deadline if the sums are still that slow."""
-    queue: QuestionQueue[str] = QuestionQueue()
-    queue.seconds_per_byte = 10.0 / MIB
-    assert queue.admit(question("a", units=5, deadline=1.8), 0.0) == ("", [])
+    queue: QuestionQueue[str] = QuestionQueue(seconds_per_byte=1.0 / MIB)  # 5 units: 1.25 s
+    assert queue.admit(question("a", units=5, deadline=1.0), 0.0) == ("", [])
     work = queue.next_slice(0.0)[1]
-    assert work is not None
-    queue.slice_done(work, [(0, 0)] * (work.end - work.start), 0.001)
-    assert queue.seconds_per_byte < 10.0 / MIB * (1 - qq.RATE_WEIGHT + 0.01)  # the slow spell is forgotten
+    assert work is not None and (work.start, work.end) == (0, 1)
+    queue.slice_done(work, [(0, 0)], 0.001)
+    assert queue.seconds_per_byte < 1.0 / MIB * (1 - qq.RATE_WEIGHT + 0.01)  # the slow spell is being forgotten
+
+
+def test_a_question_that_a_slice_would_make_late_is_answered_before_that_slice() -> None:
+    """A slice cannot be interrupted: a question whose deadline comes before the next slice would end is answered
+    without sums now, not after it (when D may have stopped waiting)."""
+    queue: QuestionQueue[str] = QuestionQueue(seconds_per_byte=1.0 / MIB)  # one unit: 0.25 s
+    big, small = question("a", units=8, deadline=29.8), question("b", units=4, deadline=2.5)
+    assert queue.admit(big, 0.0)[0] == "" and queue.admit(small, 0.0)[0] == ""  # b's sums end by ~2.25 s
+    expired, work = queue.next_slice(0.0)
+    assert expired == [] and work is not None and work.question is big
+    queue.slice_done(work, [(0, 0)], 0.25)
+    expired, work = queue.next_slice(0.25)
+    assert expired == [] and work is not None and work.question is small
+    queue.slice_done(work, [(0, 0)], 0.25)
+    expired, work = queue.next_slice(2.3)  # late (another thread took the core): a's slice would end at 2.55
+    assert expired == [small] and work is not None and work.question is big
 
 
 @pytest.mark.parametrize(("within_ms", "budget"), [(0, qq.DEFAULT_BUDGET_S), (2000, 2.0), (10**9, qq.MAX_BUDGET_S)])

@@ -11,6 +11,7 @@ as it was: one whole question at a time, in arrival order; the side channel as i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ from vllm_kvp2p.hold_service import HoldService
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome, PullResult
-from vllm_kvp2p.lifecycle.question_queue import Question, Slice
+from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice
 from vllm_kvp2p.protocol import (
     Claim,
     ClaimStatus,
@@ -61,8 +62,9 @@ class SlowSums:
     """P's digester: the real sums over P's KV, then a sleep of ``SLOW_S_PER_MIB`` per MiB; once ``stop`` is set it
     raises at once (the test is over: the hostile questions waiting are answered without sums)."""
 
-    def __init__(self, real: Callable[[DigestQuery], list[tuple[int, int]]]) -> None:
+    def __init__(self, real: Callable[[DigestQuery], list[tuple[int, int]]], s_per_mib: float) -> None:
         self.real = real
+        self.s_per_mib = s_per_mib
         self.stop = threading.Event()
 
     def __call__(self, query: DigestQuery) -> list[tuple[int, int]]:
@@ -70,7 +72,7 @@ class SlowSums:
             raise RuntimeError("the test is over")
         sums = self.real(query)
         asked = sum(sum(u.ranges[1::2]) for u in query.units)
-        if self.stop.wait(asked / (1 << 20) * SLOW_S_PER_MIB):
+        if self.stop.wait(asked / (1 << 20) * self.s_per_mib):
             raise RuntimeError("the test is over")
         return sums
 
@@ -121,7 +123,7 @@ class BigPair:
     """P (~1 GiB of KV) and D (8 blocks) in one process: HoldService, PullLoop at integrity=full, two Mooncake
     engines over TCP on 127.0.0.1."""
 
-    def __init__(self, questions: AsBefore | None = None) -> None:
+    def __init__(self, questions: AsBefore | QuestionQueue | None = None, slow: float = SLOW_S_PER_MIB) -> None:
         names = [f"model.layers.{i}.self_attn" for i in range(NUM_LAYERS)]
         g = torch.Generator().manual_seed(5)
         self.p_kv = {n: torch.empty(P_BLOCKS, HEADS, BLOCK, 2 * HEAD) for n in names}  # not written: not backed
@@ -138,7 +140,7 @@ class BigPair:
         reg = RankRegistration(self.engine_id, 0, 1, self.p_engine.segment, p_planes, p_shapes, names, BLOCK,
                                P_BLOCKS, "float32", HEADS, HEADS, HEAD)
         p_memory = KVMemory(list(self.p_kv.values()))
-        self.sums = SlowSums(lambda query: sums_of_units(p_memory, p_planes, query))
+        self.sums = SlowSums(lambda query: sums_of_units(p_memory, p_planes, query), slow)
         self.holds = HoldService(reg, "127.0.0.1", self.port, hold_timeout=60, lease_timeout=60, digester=self.sums,
                                  questions=questions)  # type: ignore[arg-type]
         local = LocalKV(tuple(d_planes), tuple(d_shapes), BLOCK, tuple(names), "float32", HEADS)
@@ -313,3 +315,33 @@ def test_one_release_resent_1100_times_does_not_fail_another_readers_verified_pu
             assert pair.pulls.table_sizes()["suspects"] == 0  # P answered: never taken for down
     finally:
         flood.close()
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["budget-kept", "queue-as-before"])
+def test_p_too_slow_for_the_readers_budget_answers_at_once_and_d_counts_the_pull_unverified_with_why(
+        make_pair: Callable[..., BigPair], caplog: pytest.LogCaptureFixture, fair: bool) -> None:
+    """P's sums are slow (1 s/MiB, as P has measured them) and another reader's question waits: the honest reader's
+    3 MiB cannot be summed within its 2 s. P answers its release at once without sums (``busy``), not after D gave
+    up, and D counts the pull unverified with that reason and a WARNING; P is not suspect, nothing fails. As before
+    (no budget) the release waited for the sums, D gave up first and failed the pull as ``unreachable``."""
+    queue = QuestionQueue(seconds_per_byte=1.0 / (1 << 20)) if fair else AsBefore()
+    pair = make_pair(questions=queue, slow=1.0)
+    pair.holds.hold("other", "h1", len(HOSTILE), [HOSTILE])
+    token = pair.claim("other", "x:0")
+    other = send_all(pair.port, [hostile_release("other", "x:0", token, GIB_QUESTION[:8])])  # 2 MiB: ~2 s
+    try:
+        pair.wait_for(lambda: pair.holds.table_sizes()["questions_waiting"] == 1)
+        with caplog.at_level(logging.WARNING, logger="vllm.kvp2p.pull_loop"):
+            result, took = pair.honest_pull()
+        print(f"honest pull: {result.outcome.value} in {took:.2f} s: {result.unverified_reason or result.reason}")
+        if not fair:
+            assert result.outcome is Outcome.FAILED and result.failure is Failure.UNREACHABLE, result
+            return
+        assert result.outcome is Outcome.PULLED and result.unverified, result
+        assert result.unverified_reason == "P rank 0: busy" and result.integrity == "unverified"
+        assert took < 1.0  # answered at once, not at D's deadline
+        assert any("counts as unverified: P rank 0: busy" in r.getMessage() for r in caplog.records)
+        assert pair.holds.counters()["integrity_questions_busy"] == 1
+        assert pair.pulls.table_sizes()["suspects"] == 0
+    finally:
+        other.close()

@@ -44,7 +44,9 @@ ANSWER_MARGIN_S = 0.2  # the answer's way back to D: P answers this much before 
 SLICE_SECONDS = 0.02  # sums per turn, at the speed measured
 MIN_COST_BYTES = 256 << 10  # a slice costs at least this much (a few tensor calls, however few its bytes)
 MAX_SLICE_BYTES = 64 << 20
-FIRST_SECONDS_PER_BYTE = 0.002 / (1 << 20)  # until measured: 2 ms/MiB (whole blocks, one core, docs/performance.md)
+#: Until measured: 8 ms/MiB, 4x the speed of whole-block sums on an idle core (docs/performance.md), so that a P
+#: whose sums turn out slow does not start with a long slice (they measured 40-80 ms/MiB beside two busy threads).
+FIRST_SECONDS_PER_BYTE = 0.008 / (1 << 20)
 RATE_WEIGHT = 0.3  # of the latest slice in the speed measured
 
 
@@ -95,10 +97,12 @@ def unit_bytes(ranges: Sequence[Sequence[int]]) -> tuple[int, ...]:
 class QuestionQueue(Generic[T]):
     """The questions waiting, per hold in turn order (the first hold's first question is served next)."""
 
-    def __init__(self, *, max_questions: int = MAX_QUESTIONS, max_bytes: int = MAX_QUEUED_BYTES) -> None:
+    def __init__(self, *, max_questions: int = MAX_QUESTIONS, max_bytes: int = MAX_QUEUED_BYTES,
+                 seconds_per_byte: float = FIRST_SECONDS_PER_BYTE) -> None:
+        """``seconds_per_byte``: the speed of the sums until measured."""
         self.max_questions = max_questions
         self.max_bytes = max_bytes
-        self.seconds_per_byte = FIRST_SECONDS_PER_BYTE
+        self.seconds_per_byte = seconds_per_byte
         self._holds: OrderedDict[HoldKey, deque[Question[T]]] = OrderedDict()
         self._by_key: dict[ReleaseKey, Question[T]] = {}
         self.queued_bytes = 0  # not yet summed, of every question waiting
@@ -156,21 +160,28 @@ class QuestionQueue(Generic[T]):
         return (own + others + step) * self.seconds_per_byte
 
     def next_slice(self, now: float) -> tuple[list[Question[T]], Slice[T] | None]:
-        """The questions past their deadline (removed: answer them without sums), and the next slice to sum, of the
-        hold whose turn it is (which then goes to the back of the turn order)."""
-        expired = [q for q in self._by_key.values() if q.deadline <= now]
-        for q in expired:
-            self._remove(q)
-        if not self._holds:
-            return expired, None
-        hold, questions = next(iter(self._holds.items()))
-        question = questions[0]
-        end, taken, step = question.summed, 0, self.slice_bytes
-        while end < len(question.unit_bytes) and (end == question.summed or taken + question.unit_bytes[end] <= step):
-            taken += question.unit_bytes[end]
-            end += 1
-        self._holds.move_to_end(hold)
-        return expired, Slice(question, question.summed, end)
+        """The questions that would be answered after their deadline (removed: answer them without sums now), and
+        the next slice to sum, of the hold whose turn it is (which then goes to the back of the turn order). A
+        question is answered late if its deadline comes before the slice about to be read ends (a slice cannot be
+        interrupted), its own slice included."""
+        expired: list[Question[T]] = []
+        while self._holds:
+            hold, questions = next(iter(self._holds.items()))
+            question = questions[0]
+            end, taken, step = question.summed, 0, self.slice_bytes
+            while end < len(question.unit_bytes) and (end == question.summed or
+                                                      taken + question.unit_bytes[end] <= step):
+                taken += question.unit_bytes[end]
+                end += 1
+            ends = now + max(taken, MIN_COST_BYTES) * self.seconds_per_byte
+            late = [q for q in self._by_key.values() if q.deadline <= ends]
+            if not late:
+                self._holds.move_to_end(hold)
+                return expired, Slice(question, question.summed, end)
+            for q in late:
+                self._remove(q)
+            expired += late
+        return expired, None
 
     def slice_done(self, done: Slice[T], sums: Sequence[tuple[int, int]] | None,
                    seconds: float) -> Question[T] | None:

@@ -311,6 +311,25 @@ def test_engine_loads_that_cannot_be_watched_bind_nothing(monkeypatch: pytest.Mo
     assert offer(p, sql) is None
 
 
+def test_engine_core_add_lora_is_wrapped_once() -> None:
+    p_engine(), d_engine()  # every engine's scheduler connector asks for the wrap
+    wrapped = EngineCore.add_lora
+    assert getattr(wrapped, "_kvp2p_watched", False)
+    assert not getattr(wrapped.__wrapped__, "_kvp2p_watched", False)  # vLLM's own method under one wrap
+
+
+def test_past_the_bound_new_adapters_are_not_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(lora_weights, "MAX_KEYS", 2)  # one adapter: its id and its name
+    book = AdapterBook()
+    first = LoRARequest("a", 1, adapter(tmp_path / "a", b"A"))
+    later = LoRARequest("b", 2, adapter(tmp_path / "b", b"B"))
+    book.see(first)
+    book.see(later)
+    assert book.digest(first)
+    with pytest.raises(UnboundPrompt, match="it keeps at most 2 adapter ids and names"):
+        book.digest(later)
+
+
 # --------------------------------------------------------------------------- by weights, not by name (issue 37)
 
 

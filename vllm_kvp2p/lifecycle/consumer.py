@@ -82,7 +82,7 @@ class PullPlan:
         return tuple(b for g in self.local_block_ids for b in g)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Admission:
     """One D request whose params ask for a remote prefill, the one record of what the connector decided for it:
     the verdict on its params and its part in their hold, decided when vLLM first asks about it (or at its end if

@@ -42,6 +42,7 @@ NEEDS_VLLM_OR_MOONCAKE = {
     "test_kv_events_vllm",  # vLLM's KV-event structs, block hashing and ZMQ publisher
     "test_metrics",  # vLLM's connector-stats classes
     "test_plugin",  # registers with vLLM's connector factory
+    "test_proxy_prechecks_vllm",  # the proxy's checks before P against vLLM's own request classes
     "test_worker_polling",  # wraps vLLM's shared-memory reader
 }
 

@@ -122,6 +122,10 @@ def test_good_or_vllms_prompts_pass(prompt: object) -> None:
      ({"use_beam_search": True}, "use_beam_search"),  # P/D cannot serve it: no silent recompute on D
      ({"use_beam_search": "yes", "n": 2}, "use_beam_search"),
      ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+     # vLLM's "before" validators read the raw value: the string "false" is true there (issue 45, item 1).
+     ({"stream": "false", "prompt_logprobs": 1}, "prompt_logprobs"),
+     ({"max_tokens": 0}, "max_tokens"),  # D generates at least one token (P, sent max_tokens 1, accepts it)
+     ({"min_tokens": 20, "max_tokens": None}, "min_tokens"),  # a null max_tokens is vLLM 0.32's default, 16
      ({"prompt_embeds": ["e1", "e2"]}, "prompt_embeds")],
 )
 def test_fields_p_does_not_see_are_checked(body: dict[str, Any], param: str) -> None:
@@ -136,15 +140,16 @@ def test_fields_p_does_not_see_are_checked(body: dict[str, Any], param: str) -> 
      {"stream": "true", "stream_options": {"include_usage": "yes", "continuous_usage_stats": 0}},
      {"stream": 1, "stream_options": None},
      {"stream_options": None}, {"stream_options": {}},
-     {"min_tokens": 3, "max_tokens": 3}, {"min_tokens": "3", "max_tokens": 5.0}, {"min_tokens": 20, "max_tokens": None},
-     {"min_completion_tokens": 4}, {"min_completion_tokens": None}, {"max_tokens": 0},
+     {"min_tokens": 3, "max_tokens": 3}, {"min_tokens": "3", "max_tokens": 5.0}, {"min_tokens": 1, "max_tokens": None},
+     {"min_completion_tokens": 4}, {"min_completion_tokens": None}, {"max_tokens": 0, "echo": True},
      {"use_beam_search": False, "logprob_token_ids": [1]}, {"use_beam_search": "false"},
      {"stream": False, "prompt_logprobs": 1},
      {"best_of": 10**9}, {"best_of": "absurd"}, {"best_of": -1}, {"best_of": 0}, {"best_of": None}, {"best_of": 2.5}],
 )
 def test_what_vllm_accepts_passes(body: dict[str, Any]) -> None:
     """vLLM's lax reading of these fields (pydantic: "true", 1, "3", 5.0) is the proxy's too. ``best_of`` is no
-    field of vLLM 0.32's completion or chat request: ignored there whatever its value, so passed on unchecked."""
+    field of vLLM 0.32's completion or chat request: ignored there whatever its value, so passed on unchecked. (What
+    vLLM itself accepts is asked of its own request classes in tests/unit/test_proxy_prechecks_vllm.py.)"""
     check_request({"prompt": "p", **body}, chat=False, limits=LIMITS)
 
 
@@ -163,7 +168,7 @@ def test_n_with_greedy_sampling_is_refused_as_vllm_does() -> None:
 def test_chat_token_limits() -> None:
     check_request({"messages": [], "min_tokens": 40}, chat=True, limits=LIMITS)  # no default maximum on chat
     err = refused({"messages": [], "min_tokens": 40, "max_completion_tokens": 30}, chat=True)
-    assert err.param == "min_tokens" and "max_completion_tokens=30" in err.message
+    assert err.param == "min_tokens" and "max_tokens=30" in err.message  # vLLM's word (its SamplingParams' field)
     check_request({"messages": [], "prompt": [[]]}, chat=True, limits=LIMITS)  # chat has no prompt to check
 
 

@@ -120,21 +120,42 @@ def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
             # vLLM would prefill them as one batch on P and answer one prompt's kv_transfer_params: not split here.
             raise invalid("prompt_embeds", "the P/D proxy takes one prompt's embeddings per request, not a list of "
                                            f"{len(embeds)}: send one request per prompt")
-    stream = _bool_field(body, "stream")
+    _bool_field(body, "stream")
     _check_stream_options(body)
     _check_token_counts(body, chat=chat)
+    if "use_beam_search" in body and body["use_beam_search"] is None:  # vLLM's field is a bool, not Optional
+        raise invalid("use_beam_search", "use_beam_search must be a boolean, got None")
     if _bool_field(body, "use_beam_search"):
         # vLLM's beam search runs requests of its own without the prefill's kv_transfer_params: D would compute the
         # prompt itself and P hold it for nobody until its hold timeout.
         raise invalid("use_beam_search", "use_beam_search: the P/D proxy cannot disaggregate a beam search (vLLM "
                                          "runs it as requests of its own, without the prefill's KV); send it to "
                                          "one engine directly")
-    # vLLM's cross-field checks on the values P does not see (its "before" validators read the raw values).
+    _check_raw_readings(body, chat=chat)
+
+
+def _check_raw_readings(body: dict[str, Any], *, chat: bool) -> None:
+    """vLLM's "before" validators that read a field P does not get as the client sent it (``stream``,
+    ``stream_options``, ``use_beam_search``, ``max_tokens``), mirrored. They read the raw JSON values with Python's
+    truthiness, not pydantic's reading: ``"stream": "false"`` is false for the request (pydantic) and true for
+    these checks (a non-empty string), so D refuses ``"false"`` with ``prompt_logprobs: 1`` that P, sent ``stream:
+    false``, accepts. Each message is vLLM's (0.23 and 0.32 alike)."""
     if body.get("stream_options") and not body.get("stream"):
         raise invalid("stream_options", "Stream options can only be defined when `stream=True`.")
     prompt_logprobs = body.get("prompt_logprobs")
-    if stream and isinstance(prompt_logprobs, (int, float)) and (prompt_logprobs > 0 or prompt_logprobs == -1):
+    if (body.get("stream") and isinstance(prompt_logprobs, (int, float))
+            and (prompt_logprobs > 0 or prompt_logprobs == -1)):
         raise invalid("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+    if body.get("logprob_token_ids") and body.get("use_beam_search"):
+        raise invalid("logprob_token_ids", "`logprob_token_ids` is not supported with beam search.")
+    if chat:
+        return
+    if body.get("use_beam_search") and body.get("echo") and body.get("logprobs") is not None:
+        raise invalid("echo", "`echo` with `logprobs` is not supported with beam search because beam search does not "
+                              "compute prompt logprobs.")
+    if body.get("logprob_token_ids") and body.get("echo") and body.get("max_tokens") == 0:
+        raise invalid("logprob_token_ids", "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` "
+                                           "because no output tokens are generated.")
 
 
 def check_n(body: dict[str, Any], *, chat: bool, limits: Limits) -> int:
@@ -154,7 +175,11 @@ def check_n(body: dict[str, Any], *, chat: bool, limits: Limits) -> int:
 def _check_greedy(body: dict[str, Any], n: int) -> None:
     """vLLM refuses n > 1 with greedy sampling (an explicit temperature below 1e-5; beam search aside); P, asked for
     one sequence, would not. An absent temperature is the model's default, which the proxy cannot see."""
-    if n == 1 or body.get("use_beam_search"):
+    try:
+        beam_search = lax_bool(body.get("use_beam_search"))
+    except ValueError:
+        return  # refused as a bool below
+    if n == 1 or beam_search:
         return
     temperature = body.get("temperature")
     try:
@@ -225,21 +250,40 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
+#: vLLM's default ``max_tokens`` of a completion request (a null is read as it too).
+_COMPLETION_MAX_TOKENS = 16
+
+
 def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
     """``max_tokens`` / ``max_completion_tokens`` (replaced for P) and ``min_tokens`` / ``min_completion_tokens``
-    (dropped for P): integers, not negative, the minimum within the maximum (vLLM's SamplingParams check, with the
-    completion route's default of 16 when no maximum is given)."""
+    (dropped for P), as vLLM's serving code turns them into ``SamplingParams``: integers, not negative; the maximum
+    D would generate at least 1 (a completion's null is its default, 16; ``max_tokens: 0`` with ``echo`` generates
+    one token); the minimum within it. Past the room the context leaves after the prompt vLLM clips the maximum,
+    which only the engine knows (docs/api.md: what is left to D)."""
     max_tokens = _int_field(body, "max_tokens", 0)
     max_completion = _int_field(body, "max_completion_tokens", 0)
     _int_field(body, "min_completion_tokens", 0)  # not a vLLM 0.32 field (ignored there), still an integer
     if body.get("min_tokens") is None and "min_tokens" in body:
         raise invalid("min_tokens", "min_tokens must be an integer, got None")
     min_tokens = _int_field(body, "min_tokens", 0) or 0
-    limit = (max_completion if max_completion is not None else max_tokens) if chat else (
-        16 if "max_tokens" not in body else max_tokens)
+    if chat:
+        limit = max_completion if max_completion is not None else max_tokens
+    else:
+        limit = _COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        if limit == 0 and _echo(body):
+            limit = 1  # vLLM echoes the prompt and generates one token
+    if limit == 0:  # vLLM's message (its SamplingParams' field), the field the client sent named
+        raise invalid("max_completion_tokens" if chat and max_completion is not None else "max_tokens",
+                      "max_tokens must be at least 1, got 0.")
     if limit is not None and min_tokens > limit:
-        name = "max_completion_tokens" if chat and max_completion is not None else "max_tokens"
-        raise invalid("min_tokens", f"min_tokens must be less than or equal to {name}={limit}, got {min_tokens}.")
+        raise invalid("min_tokens", f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.")
+
+
+def _echo(body: dict[str, Any]) -> bool:
+    try:
+        return bool(lax_bool(body.get("echo")))
+    except ValueError:
+        return False  # P refuses it (echo is sent to P as it is)
 
 
 def check_responses(body: dict[str, Any]) -> None:
@@ -254,6 +298,9 @@ def check_responses(body: dict[str, Any]) -> None:
             "engine that answered it, and the prefill instance would not find it. Send the whole conversation as "
             "`input` instead, or send requests that continue a stored response to one engine (a vLLM instance) "
             "directly."))
+    if body.get("background") and not body.get("store", True):
+        # vLLM's "before" validator reads both raw ("false" is true there); P, sent false and false, accepts them.
+        raise invalid("background", "background can only be used when `store` is true")
     if _bool_field(body, "background"):
         raise invalid("background", (
             "background is not supported by the P/D proxy: a background response runs, is stored and is polled "

@@ -52,6 +52,9 @@ FAILURES = "failures"  # {kind: n}
 HOLDS = "holds"  # {counter: n}
 DROPPED = "dropped"  # {reason: n}
 GAUGES = "gauges"  # {rank: {"blocks_held": int, "oldest_hold_age": float}}, latest per rank
+# {rank: {table: entries}}, latest per rank: WorkerSide.table_sizes (P's ledger, D's pull tables), read every step
+# so that an idle engine's last step shows its idle tables (the soak's leak check reads them; a leak on a dashboard).
+TABLES = "tables"
 # "abandoned": of the released, those freed by an abandon (protocol.Abandon: no decoder would ever claim them).
 HOLD_COUNTERS = ("created", "released", "expired", "claims_refused", "abandoned")
 INTEGRITY = "integrity"  # {counter: n}: D's good pulls by integrity outcome (PullResult.integrity)
@@ -91,6 +94,7 @@ def _empty() -> dict[str, Any]:
         INTEGRITY: dict.fromkeys(INTEGRITY_COUNTERS, 0),
         DROPPED: {},
         GAUGES: {},
+        TABLES: {},
     }
 
 
@@ -114,6 +118,7 @@ def _normalize(data: dict[str, Any] | None) -> dict[str, Any]:
         str(rank): {"blocks_held": int(g.get("blocks_held", 0)), "oldest_hold_age": float(g.get("oldest_hold_age", 0))}
         for rank, g in (data.get(GAUGES) or {}).items()
     }
+    out[TABLES] = {str(rank): {str(k): int(n) for k, n in t.items()} for rank, t in (data.get(TABLES) or {}).items()}
     return out
 
 
@@ -191,6 +196,12 @@ class Kvp2pStats(KVConnectorStats):
         rank = _bounded(self.data[GAUGES], rank, MAX_RANKS)
         self.data[GAUGES][rank] = {"blocks_held": int(blocks_held), "oldest_hold_age": float(oldest_hold_age)}
 
+    def set_tables(self, rank: str, sizes: dict[str, int]) -> None:
+        """P or D: one rank's table sizes right now (``WorkerSide.table_sizes``); later values of a rank replace
+        earlier. Like the gauges, not an event (:meth:`is_empty`)."""
+        rank = _bounded(self.data[TABLES], rank, MAX_RANKS)
+        self.data[TABLES][rank] = {str(k)[:MAX_LABEL]: int(n) for k, n in list(sizes.items())[:MAX_REASONS]}
+
     def clone_and_reset(self) -> Kvp2pStats:
         """What ``get_kv_connector_stats`` returns: this interval's stats, leaving this object empty."""
         old = copy.copy(self)  # shares the dict, which reset() replaces rather than clears
@@ -240,8 +251,9 @@ class Kvp2pStats(KVConnectorStats):
         for key in (HOLDS, INTEGRITY):
             for name, n in theirs[key].items():
                 mine[key][name] = mine[key].get(name, 0) + n
-        for rank, values in theirs[GAUGES].items():
-            mine[GAUGES][_bounded(mine[GAUGES], rank, MAX_RANKS)] = values
+        for key in (GAUGES, TABLES):
+            for rank, values in theirs[key].items():
+                mine[key][_bounded(mine[key], rank, MAX_RANKS)] = values
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -357,6 +369,16 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
         self.oldest_hold_age = gauge(
             "vllm:kvp2p_oldest_hold_age_seconds", "Age of the oldest hold on P (max over its ranks)."
         )
+        # Max over ranks, not the sum: every rank keeps its own entry for the same hold or peer, so a sum would
+        # count each TP times; the max is what the largest rank holds (the per-rank bounds apply to it), and a
+        # leak on any one rank still shows.
+        self._table_entries = self._gauge_cls(
+            name="vllm:kvp2p_table_entries", documentation="Entries in each of the connector's tables (P's hold "
+            "ledger, D's pull tables; readers_per_hold: the most readers of one hold), the largest over ranks, as of "
+            "the engine's last step: holds, early_releases, freed, questions_waiting, queued_plans, results and "
+            "suspects are 0 at idle.",
+            multiprocess_mode="mostrecent", labelnames=labelnames + ["table"],
+        )  # fmt: skip
         self._failures = self._counter_cls(
             name="vllm:kvp2p_pull_failures", documentation="Failed kvp2p pulls on D, by reason.",
             labelnames=labelnames + ["reason"],
@@ -369,6 +391,7 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
         self._reason_children: dict[tuple[int, int], dict[str, Any]] = {}  # (metric, engine) -> reason -> child
         # Latest gauge values per engine and rank: a step's payload may carry only some ranks.
         self._gauge_ranks: dict[int, dict[str, dict[str, Any]]] = {}
+        self._table_ranks: dict[int, dict[str, dict[str, int]]] = {}  # the same for the table sizes
         for idx in self.per_engine_labelvalues:
             for kind in FAILURE_KINDS:
                 self._reason(self._failures, idx, kind)
@@ -376,7 +399,8 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
                 self._reason(self._dropped, idx, reason)
 
     def _reason(self, parent: Any, engine_idx: int, reason: str) -> Any:
-        """The child of a ``reason``-labelled counter, made once (Ray's wrappers allow one ``labels()`` call)."""
+        """The child of a metric with one label past the engine's (a counter's ``reason``, the tables' ``table``),
+        made once (Ray's wrappers allow one ``labels()`` call)."""
         children = self._reason_children.setdefault((id(parent), engine_idx), {})
         reason = _bounded(children, reason, MAX_REASONS + len(FAILURE_KINDS))
         if reason not in children:
@@ -418,6 +442,14 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
             blocks, oldest = _gauge_totals(ranks.values())
             self.blocks_held[engine_idx].set(blocks)
             self.oldest_hold_age[engine_idx].set(oldest)
+        # Only tables some rank reported are exported: a table never reported is absent, never a 0.
+        if tables := data.get(TABLES):
+            ranks = self._table_ranks.setdefault(engine_idx, {})
+            for rank, sizes in tables.items():
+                ranks[_bounded(ranks, rank, MAX_RANKS)] = dict(sizes)
+            for name in {name for sizes in ranks.values() for name in sizes}:
+                largest = max(int(sizes[name]) for sizes in ranks.values() if name in sizes)
+                self._reason(self._table_entries, engine_idx, name).set(largest)
 
 
 def build_kv_connector_stats(data: dict[str, Any] | None) -> Kvp2pStats | None:

@@ -368,8 +368,10 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> Kvp2pStats:
         """The metrics since the last call, every call (also empty: on vLLM 0.23 a worker's stats object is what
-        carries the scheduler's to the logger); P's gauges are read now."""
+        carries the scheduler's to the logger); P's gauges and both sides' table sizes are read now, after this
+        step's transfer results (so the step that frees the last hold reports its tables empty)."""
         with self._stats_lock:
+            self._stats.set_tables(f"{self.dp_rank}.{self.rank}", self.table_sizes())
             if self.hold_service is not None:
                 tally, dropped, blocks_held, oldest = self.hold_service.take_metrics()
                 self._stats.record_holds(tally.get("created", 0), tally.get("released", 0), tally.get("expired", 0),

@@ -340,7 +340,7 @@ def test_prometheus_names_labels_and_values() -> None:
         "vllm:kvp2p_holds_released", "vllm:kvp2p_holds_expired", "vllm:kvp2p_claims_refused",
         "vllm:kvp2p_side_channel_dropped", "vllm:kvp2p_blocks_held", "vllm:kvp2p_oldest_hold_age_seconds",
         "vllm:kvp2p_pulls_verified", "vllm:kvp2p_pulls_unverified", "vllm:kvp2p_pulls_sums_lost",
-        "vllm:kvp2p_holds_abandoned",
+        "vllm:kvp2p_holds_abandoned", "vllm:kvp2p_table_entries",
     }  # fmt: skip
     assert value("vllm:kvp2p_pull_seconds_count") == 2 and value("vllm:kvp2p_pull_seconds_sum") == pytest.approx(0.4)
     assert value("vllm:kvp2p_pull_seconds_count", engine="0") == 0  # the other engine's series is untouched
@@ -366,6 +366,37 @@ def test_prometheus_names_labels_and_values() -> None:
     later.set_gauges("1", blocks_held=1, oldest_hold_age=0.5)  # one rank reports: the other's last value stays
     prom.observe(wire(later.data), engine_idx=1)
     assert (value("vllm:kvp2p_blocks_held"), value("vllm:kvp2p_oldest_hold_age_seconds")) == (11, 1.5)
+
+
+def test_table_entries_are_the_largest_rank_latest_per_rank_and_absent_until_reported() -> None:
+    """vllm:kvp2p_table_entries{table=...}: each rank's WorkerSide.table_sizes through pickle, vLLM's TP
+    aggregator, the scheduler's merge and msgspec; the max over ranks (each rank has its own entry for one hold), a
+    rank's later value replaces its earlier one, and a table no rank reported has no series (absent is not 0)."""
+    registry = CollectorRegistry()
+    prom = fresh_prom(config("Kvp2pStandIn"), registry)
+
+    def table(name: str) -> float | None:
+        return registry.get_sample_value("vllm:kvp2p_table_entries", {**ENGINE, "table": name})
+
+    assert table("holds") is None  # before any report: no sample at all
+    rank0, rank1 = Kvp2pStats(), Kvp2pStats()
+    rank0.set_tables("0.0", {"holds": 2, "early_releases": 0, "tombstones": 5})
+    rank1.set_tables("0.1", {"holds": 3, "early_releases": 1, "tombstones": 4})
+    step = worker_step(rank0, rank1)
+    assert step.is_empty()  # sizes alone are not an event: no log line for an idle engine
+    prom.observe(wire(scheduler_payload(step, None)), 0)
+    assert (table("holds"), table("early_releases"), table("tombstones")) == (3, 1, 5)
+    assert table("queued_plans") is None  # a table nobody reported (D's, on this P) stays absent
+
+    later = Kvp2pStats()
+    later.set_tables("0.1", {"holds": 0, "early_releases": 0, "tombstones": 4})  # rank 1 freed its holds
+    prom.observe(wire(scheduler_payload(worker_step(later), None)), 0)
+    assert (table("holds"), table("early_releases")) == (2, 0)  # rank 0's last known 2 is the largest now
+    later.set_tables("0.0", {"holds": 0, "early_releases": 0, "tombstones": 5})
+    prom.observe(wire(scheduler_payload(worker_step(later), None)), 0)
+    assert (table("holds"), table("tombstones")) == (0, 5)
+    prom.observe(wire(scheduler_payload(worker_step(Kvp2pStats()), None)), 0)  # a step without sizes: kept
+    assert table("tombstones") == 5
 
 
 # --------------------------------------------------------------------------- MultiConnector

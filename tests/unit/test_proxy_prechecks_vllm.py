@@ -128,7 +128,7 @@ def context_bound(kind: str, body: dict[str, Any]) -> bool:
     """Whether vLLM refuses ``body`` only for the engine's context length: on an engine with room for any output it
     takes it. The proxy does not know the engine's context length: such a body is D's to refuse."""
     try:
-        vllm(kind, body, max_model_len=2**40)
+        vllm(kind, body, max_model_len=2**62)  # vLLM bounds any output by sys.maxsize besides the context
     except Refused:
         return False
     return True
@@ -146,7 +146,8 @@ def proxy(kind: str, body: dict[str, Any]) -> ProxyError | None:
 # -- the corpus ------------------------------------------------------------------------------------------------
 
 BOOLS = [True, False, None, "true", "false", "yes", "no", "0", "1", 0, 1, 1.0, "", "maybe", 2, [], {}]
-COUNTS = [0, 1, 2, 16, 20, 4096, 10**6, -1, None, "3", "0", 3.0, 2.5, "x", True, False, [], {}]
+COUNTS = [0, 1, 2, 16, 20, 4096, 10**6, 10**30, -1, None, "3", "0", 3.0, 2.5, "x", True, False, [], {}, float("nan"),
+          float("inf"), "1e3"]
 SMALL = [None, 0, 1, 5, 20, -1, "5", 2.5, True, "x"]
 LOGPROBS = [None, 0, 1, -1, -2, 5, "1", True, 1.5]
 

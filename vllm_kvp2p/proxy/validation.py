@@ -252,6 +252,9 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 #: vLLM's default ``max_tokens`` of a completion request (a null is read as it too).
 _COMPLETION_MAX_TOKENS = 16
+#: The most tokens vLLM generates whatever the context (its platforms' bound, ``sys.maxsize``): a larger minimum is
+#: refused by every D.
+_MAX_GENERATED = 2**63 - 1
 
 
 def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
@@ -275,6 +278,8 @@ def _check_token_counts(body: dict[str, Any], *, chat: bool) -> None:
     if limit == 0:  # vLLM's message (its SamplingParams' field), the field the client sent named
         raise invalid("max_completion_tokens" if chat and max_completion is not None else "max_tokens",
                       "max_tokens must be at least 1, got 0.")
+    if limit is None and min_tokens > _MAX_GENERATED:
+        limit = _MAX_GENERATED  # no context leaves room for it
     if limit is not None and min_tokens > limit:
         raise invalid("min_tokens", f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.")
 

@@ -81,7 +81,8 @@ class KVP2PConfig:
     )
     hold_timeout: float = setting(
         120.0,
-        "seconds P keeps a finished prompt's blocks for D to claim; then it frees them (logged)",
+        "seconds P keeps a finished prompt's blocks for D to claim; then it frees them (logged). D reads it too: "
+        "how long a hold its n > 1 children share stays known after its reader ended (give P and D the same value)",
     )
     lease_timeout: float = setting(
         60.0,

@@ -86,10 +86,18 @@ class _Asked:
     answer: Future[Reply]
 
 
+def _what_it_asks(release: Release) -> Release:
+    """The release without the budget it states: a copy D sends again later (after an error answer) states less
+    time left, and is still the same release."""
+    return msgspec.structs.replace(release, answer_within_ms=0) if release.answer_within_ms else release
+
+
 def _fingerprint(release: Release) -> bytes:
     """What identifies a release that asks an integrity question (b"": it asks none): only the same release,
-    lease token and question included, gets the answer kept for it."""
-    return hashlib.sha256(msgspec.msgpack.encode(release)).digest() if release.verify is not None else b""
+    lease token and question included (its stated budget not), gets the answer kept for it."""
+    if release.verify is None:
+        return b""
+    return hashlib.sha256(msgspec.msgpack.encode(_what_it_asks(release))).digest()
 
 
 class HoldService:
@@ -275,7 +283,7 @@ class HoldService:
         key = (release.request_id, release.hold_id, release.reader)
         waiting = self._questions.get(key)
         if waiting is not None:
-            if waiting.payload.release == release:  # the same release resent (D gave up on its first socket)
+            if _what_it_asks(waiting.payload.release) == _what_it_asks(release):  # resent (D gave up on a socket)
                 return waiting.payload.answer
             # Not the reader's own resend (that is the same release): someone else naming it, the token or a
             # question changed. The reader's release stays as it is.

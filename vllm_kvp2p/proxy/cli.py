@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
         help="the largest request body the proxy reads; past it a 413. The default holds a 1,000,000-token prompt as "
-        "token ids; the proxy's event loop spends up to ~70 ms per MiB of body, every other client waiting "
-        "(default: %(default)s)",
+        "token ids; a body holds the proxy's event loop, every other client waiting, about 25-55 ms per MiB of "
+        "token ids (docs/performance.md section 19) (default: %(default)s)",
     )
     requests.add_argument(
         "--max-batch-concurrency",

@@ -14,7 +14,9 @@ The feed shares the proxy's event loop with every request, so it must never hold
   :data:`MAX_DECODE_SHARE` of the time (:class:`DecodeBudget`). Awaiting it suspends the feed after every message;
   ``await sock.recv_multipart()`` alone does not: while messages are queued it returns without yielding, so a
   flood would starve every other task and no ``asyncio.timeout`` would fire. The decoder's C calls are short
-  (token ids are skipped undecoded), so the thread hands the GIL back within Python's switch interval;
+  (token ids are skipped undecoded, an event of a type the proxy does not know is skipped by its tag, lists over
+  their bound are refused from their header: :mod:`kv_events`), so the thread hands the GIL back within Python's
+  switch interval;
 * what runs on the loop per message is applying it to the index: O(its block keys), at most
   :data:`~vllm_kvp2p.proxy.kv_events.MAX_BATCH_KEYS`;
 * memory: ZMQ queues at most :data:`RCVHWM` messages of at most ``MAX_PAYLOAD_BYTES`` per socket (past that the

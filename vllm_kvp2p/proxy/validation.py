@@ -35,8 +35,8 @@ DEFAULT_MAX_N = 16384
 #: The most prompts one batched ``/v1/completions`` request may carry (``--max-batch-prompts``).
 DEFAULT_MAX_BATCH_PROMPTS = 1024
 #: The largest request body the proxy reads (``--max-body-bytes``): the largest real prompt, 1,000,000 tokens as
-#: token ids (at most 8 bytes each: six digits and ", "). A body costs the proxy's event loop up to ~70 ms per MiB
-#: (token ids, parsed here and re-serialised for P and D: docs/performance.md), every other client waiting.
+#: token ids (at most 8 bytes each: six digits and ", "). A body holds the proxy's event loop 25-55 ms per MiB of
+#: token ids at a time (parsed, then serialised for P and D: docs/performance.md section 19), every client waiting.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.

@@ -147,3 +147,27 @@ def test_health_answers_while_a_62_mib_body_arrives(stubs: dict[str, Stub], make
     assert_openai_error(answer, 413, "--max-body-bytes")
     assert worst < 1.0
     assert stubs["P0"].received == []
+
+
+def test_arrays_and_objects_are_counted_outside_strings() -> None:
+    """The count that bounds a body before it is parsed: brackets inside strings (escaped quotes and backslashes
+    around them) are not containers. Checked against the parsed JSON, on bodies whose plain bracket count is over
+    the bound (so the exact count is the one used)."""
+    import random
+
+    from vllm_kvp2p.proxy.json_body import MAX_CONTAINERS, containers_in
+
+    def count(value: object) -> int:
+        if isinstance(value, dict):
+            return 1 + sum(count(v) for v in value.values())
+        if isinstance(value, list):
+            return 1 + sum(count(v) for v in value)
+        return 0
+
+    rng = random.Random(45)
+    pieces = ["[", "]", "{", "}", '"', "\\", "\\\\", '\\"', "a", "é", "\\u005b"]
+    for _ in range(20):
+        strings = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(50)]
+        body = {"x": [[s, {"k": [s]}] for s in strings], "s": "[{" * (MAX_CONTAINERS // 2 + 1)}
+        raw = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode()
+        assert containers_in(raw) == count(json.loads(raw))

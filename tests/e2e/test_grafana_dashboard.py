@@ -34,7 +34,7 @@ CONNECTOR_SERIES = (
     "kvp2p_pulls_sums_lost_total", "kvp2p_holds_created_total", "kvp2p_holds_released_total",
     "kvp2p_holds_expired_total", "kvp2p_holds_abandoned_total", "kvp2p_claims_refused_total",
     "kvp2p_side_channel_dropped_total",
-    "kvp2p_blocks_held", "kvp2p_oldest_hold_age_seconds",
+    "kvp2p_blocks_held", "kvp2p_oldest_hold_age_seconds", "kvp2p_table_entries",
 )  # fmt: skip
 #: Panels whose first query must be above zero after pulls (the rest may rightly be 0: failures, expiries, drops).
 MOVED = ("TTFT", "Pulls per second", "Bytes pulled", "Integrity", "Holds created", "Routing hit rate")

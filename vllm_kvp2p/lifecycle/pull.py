@@ -469,11 +469,14 @@ class ConsumerPull:
         """With a question, how long D waits for its answer (what the side-channel call is given: the releases'
         budget left, at most ``release_timeout``): P answers without sums rather than after that."""
         r, source = self.plan.remote, st.source
-        within = min(self._release_timeout, self._release_deadline - now) if asked is not None else 0.0
-        within_ms = int(within * 1000) if math.isfinite(within) else 0
+        within_ms = 0  # says nothing (no question, or no bound: P assumes 5 s)
+        if asked is not None:
+            within = min(self._release_timeout, self._release_deadline - now)
+            if math.isfinite(within):  # a budget all but spent still says 1 ms: P answers at once
+                within_ms = min(MAX_ANSWER_WITHIN_MS, max(1, int(within * 1000)))
         return Release(r.remote_request_id, r.remote_hold_id, self.reader, source.expected_readers,
                        self._pulled(source), st.lease_token, asked.query if asked is not None else None,
-                       answer_within_ms=min(max(0, within_ms), MAX_ANSWER_WITHIN_MS))
+                       answer_within_ms=within_ms)
 
     def _make_result(self) -> PullResult:
         plan = self.plan

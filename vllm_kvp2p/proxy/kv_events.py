@@ -213,9 +213,8 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
 
 
 def _is_array(raw: msgspec.Raw) -> bool:
-    """msgpack fixarray (0x90..0x9f), array16 (0xdc) or array32 (0xdd)."""
-    first = memoryview(raw)[:1].tobytes()
-    return bool(first) and (0x90 <= first[0] <= 0x9F or first[0] in (0xDC, 0xDD))
+    """An event in vLLM 0.23's array form (a msgpack array), not 0.32's map."""
+    return _header(memoryview(raw), 0, *_ARRAY) is not None
 
 
 def _header(buf: memoryview, at: int, fix: tuple[int, int], sized: dict[int, int]) -> tuple[int, int] | None:

@@ -686,3 +686,34 @@ def test_an_integrity_question_may_name_only_the_units_of_the_readers_live_hold(
     assert lg.verifiable_units("r1", "h", "d:9", 2, token, planes, groups) is None  # not this reader's lease
     assert lg.verifiable_units("r2", "h", "d:0", 2, token, planes, groups) is None  # a hold it never claimed
     assert lg.verifiable_units("r1", "h", "d:0", 5.5, token, planes, groups) is None  # the lease lapsed (4 s)
+
+
+def test_readers_per_hold_is_kept_without_scanning_the_holds() -> None:
+    """table_sizes' readers_per_hold (read every engine step by the metrics) is kept as holds change, not found by a
+    pass over every hold: random claims, releases, early releases, lapses and expiries against the scan it
+    replaced."""
+    import random
+
+    rng = random.Random(45)
+    lg = ledger()
+    tokens: dict[tuple[str, str], str] = {}
+    now = 0.0
+    for _ in range(3000):
+        now += rng.random() * 0.5
+        rid, reader = f"r{rng.randrange(40)}", f"d:{rng.randrange(4)}"
+        op = rng.randrange(5)
+        if op == 0:
+            lg.hold(rid, "h", now)
+        elif op == 1:
+            reply = lg.claim(rid, "h", reader, rng.randrange(1, 4), now)
+            if reply.status is ClaimStatus.GRANTED:
+                tokens[(rid, reader)] = reply.lease_token
+        elif op == 2:
+            lg.release(rid, "h", reader, rng.randrange(1, 4), now, tokens.get((rid, reader), ""), rng.random() < 0.5)
+        elif op == 3:
+            lg.expire(now)
+        else:
+            lg.abandon(rid, "h", "", now)
+        scan = max((h.num_readers for h in lg._holds.values()), default=0)
+        assert lg.table_sizes()["readers_per_hold"] == scan
+        assert all(count >= 0 for count in lg._reader_counts.values())

@@ -60,12 +60,15 @@ import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vllm_kvp2p.lifecycle import release_answers as answers
 from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
 from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, AbandonOutcome, ClaimReply, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+
+T = TypeVar("T")
 
 MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
@@ -133,6 +136,9 @@ class ProducerLedger:
         # The answer each reader's first release got, for that release resent (answer_release).
         self.kept_answers = answers.KeptAnswers(max_kept_answers, max_kept_answer_bytes)
         self._freed: list[str] = []
+        # Live holds by their number of readers: table_sizes' readers_per_hold in O(distinct counts), not O(holds)
+        # (the metrics read the tables every engine step).
+        self._reader_counts: Counter[int] = Counter()
         self.events: list[LedgerEvent] = []
         self.counters: Counter[str] = Counter()
         # Holds created, released and expired, claims refused: for the metrics (taken and reset by the caller).
@@ -168,7 +174,7 @@ class ProducerLedger:
             "tombstones": len(self._tombstones),
             "freed": len(self._freed),
             "deadlines": len(self._deadlines),
-            "readers_per_hold": max((h.num_readers for h in self._holds.values()), default=0),
+            "readers_per_hold": max((n for n, holds in self._reader_counts.items() if holds), default=0),
             "kept_answers": len(self.kept_answers),
         }
 
@@ -191,6 +197,7 @@ class ProducerLedger:
         hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
                      created=now, num_blocks=max(0, num_blocks), blocks=blocks, mac=mac)
         self._holds[key] = hold
+        self._reader_counts[0] += 1
         self.tally["created"] += 1
         self.blocks_held += hold.num_blocks
         self._live_ids.setdefault(request_id, set()).add(hold_id)
@@ -198,7 +205,7 @@ class ProducerLedger:
         early = self._early.pop(key, None)
         if early is not None and early.readers:
             hold.expected_readers = early.expected_readers
-            hold.released_by |= early.readers
+            self._recount(hold, lambda: hold.released_by.update(early.readers))
             self._maybe_release(hold, "released before the hold arrived")
         elif early is not None and early.abandon_mac is not None:
             self._apply_abandon(hold, early.abandon_mac, "before the hold arrived")
@@ -262,7 +269,7 @@ class ProducerLedger:
             return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
         hold.expected_readers = max(hold.expected_readers, self._readers(request_id, expected_readers))
         lease = Lease(until, cap, self._token_factory(), claim_id[:MAX_ID_LENGTH])
-        hold.grant(reader, lease)
+        self._recount(hold, lambda: hold.grant(reader, lease))
         self._due_by(hold, until)
         return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease.token)
 
@@ -409,7 +416,7 @@ class ProducerLedger:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             return False
         hold.expected_readers = max(hold.expected_readers, expected_readers)
-        held = hold.release_reader(reader, now, pulled)
+        held = self._recount(hold, lambda: hold.release_reader(reader, now, pulled))
         self._maybe_release(hold, "released by all readers")
         if not hold.state.final and not hold.leases:
             self._due_by(hold, hold.hold_deadline)  # its hold deadline may have passed under a lease
@@ -439,7 +446,7 @@ class ProducerLedger:
     def _expire_one(self, hold: Hold, now: float) -> None:
         # Leases are granted only up to the hard deadline, so at it all lapse; say why.
         capped = hold.pin_deadline <= now and any(lease.until >= hold.pin_deadline for lease in hold.leases.values())
-        lapsed = hold.lapse(now)
+        lapsed = self._recount(hold, lambda: hold.lapse(now))
         if capped:
             self.counters["hold_capped"] += 1
             self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
@@ -530,9 +537,19 @@ class ProducerLedger:
             self._deadlines = [(*hold.due, key) for key, hold in self._holds.items() if hold.due is not None]
             heapq.heapify(self._deadlines)
 
+    def _recount(self, hold: Hold, change: Callable[[], T]) -> T:
+        """Run ``change`` (which may change the hold's readers), keeping ``_reader_counts`` right."""
+        before = hold.num_readers
+        result = change()
+        if hold.num_readers != before:
+            self._reader_counts[before] -= 1
+            self._reader_counts[hold.num_readers] += 1
+        return result
+
     def _finish(self, hold: Hold, state: HoldState, why: str, reason: str = "") -> None:
         key = hold.key
         del self._holds[key]
+        self._reader_counts[hold.num_readers] -= 1
         hold.due = None  # its entry, if it has one, is stale now
         self._drop_stale_entries()
         live = self._live_ids[hold.request_id]

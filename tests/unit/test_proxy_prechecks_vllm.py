@@ -150,6 +150,7 @@ COUNTS = [0, 1, 2, 16, 20, 4096, 10**6, 10**30, -1, None, "3", "0", 3.0, 2.5, "x
           float("inf"), "1e3"]
 SMALL = [None, 0, 1, 5, 20, -1, "5", 2.5, True, "x"]
 LOGPROBS = [None, 0, 1, -1, -2, 5, "1", True, 1.5]
+SEEDS = [None, 0, 1234, -1, "7", 7.0, 7.5, True, "x", 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**30, [], {}]
 
 
 def singles(kind: str) -> Iterator[dict[str, Any]]:
@@ -161,14 +162,14 @@ def singles(kind: str) -> Iterator[dict[str, Any]]:
             None, {}, {"include_usage": True}, {"include_usage": "yes", "continuous_usage_stats": 0},
             {"include_usage": "maybe"}, "x", [], {"other": 1}],
         "logprob_token_ids": [None, [], [1], [1, 2]], "logprobs": LOGPROBS, "echo": BOOLS,
-        "min_completion_tokens": SMALL,
+        "min_completion_tokens": SMALL, "seed": SEEDS,
     }
     if kind == "chat":
         fields.update({"max_completion_tokens": COUNTS, "top_logprobs": LOGPROBS})
         fields["logprobs"] = BOOLS
     if kind == "responses":
         fields = {"max_output_tokens": COUNTS, "stream": BOOLS, "store": BOOLS, "background": BOOLS,
-                  "previous_response_id": [None, "resp_1", ""], "top_logprobs": LOGPROBS}
+                  "previous_response_id": [None, "resp_1", ""], "top_logprobs": LOGPROBS, "seed": SEEDS}
     for name, values in fields.items():
         for value in values:
             yield {name: value}

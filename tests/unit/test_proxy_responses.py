@@ -46,13 +46,14 @@ def refused(body: dict[str, Any]) -> ProxyError:
 
 def test_prefill_body_is_one_unstored_unstreamed_token() -> None:
     body = {**REQUEST, "stream": True, "store": True, "background": False, "kv_transfer_params": {"x": 1},
-            "n": 3, "stream_options": {"include_obfuscation": False}}
+            "n": 3, "stream_options": {"include_obfuscation": False}, "seed": 7}
     p = ENDPOINTS[RESPONSES].prefill_body(body)
+    assert "seed" not in p and body["seed"] == 7  # P's token is not used (endpoints.py: vLLM CPU and seeds)
     assert p["max_output_tokens"] == 1 and p["stream"] is False and p["store"] is False and p["background"] is False
     assert p["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
     # No completion field is added, and what vLLM's ResponsesRequest ignores (n, stream_options) is left to it.
     assert not {"max_tokens", "max_completion_tokens"} & set(p)
-    changed = ("max_output_tokens", "stream", "store", "background", "kv_transfer_params")
+    changed = ("max_output_tokens", "stream", "store", "background", "kv_transfer_params", "seed")
     assert {k: v for k, v in p.items() if k not in changed} == {k: v for k, v in body.items() if k not in changed}
     assert body["max_output_tokens"] == 17 and body["stream"] is True and body["kv_transfer_params"] == {"x": 1}
     assert "max_output_tokens" in ENDPOINTS[RESPONSES].prefill_body({"input": "x"})  # set even when absent

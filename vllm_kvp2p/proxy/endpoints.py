@@ -31,8 +31,12 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 # Completion and chat fields that make no sense in (or break) a 1-token, non-streaming prefill of one sequence: D
 # samples the n sequences (best_of is ignored by vLLM 0.32; beam search would take P off the plain prefill path).
 # Each value P does not see is checked by validation.py before P is asked, so D cannot refuse what P already holds.
+# ``seed`` too: P's one sampled token is not used (D samples every token it sends), and vLLM's CPU model runner
+# dies on a seeded request whose prefill is split over steps (gpu_model_runner.py rewinds the request's generator
+# with set_offset, which a CPU torch.Generator refuses: "CPU Generator does not use offset", the engine is gone),
+# which a few concurrent long seeded prompts make happen on P.
 _SAMPLING_ONLY: tuple[str, ...] = (
-    "stream_options", "min_tokens", "min_completion_tokens", "best_of", "use_beam_search",
+    "stream_options", "min_tokens", "min_completion_tokens", "best_of", "use_beam_search", "seed",
 )
 
 
@@ -95,12 +99,13 @@ ENDPOINTS: Mapping[str, Endpoint] = _frozen({
         prompt="messages",
         check=lambda body, limits: check_request(body, chat=True, limits=limits),
     ),
-    # vLLM's ResponsesRequest (0.23 and 0.32) has no n, best_of, stream_options nor min_tokens: nothing to drop.
+    # vLLM's ResponsesRequest (0.23 and 0.32) has no n, best_of, stream_options nor min_tokens: only seed to drop.
     # store: false so P keeps no response (nor its input messages) in its store; background: false (a background
     # request is refused before P anyway: validation.check_responses).
     "/v1/responses": Endpoint(
         kind="responses",
         prefill_set=_frozen({"max_output_tokens": 1, "stream": False, "store": False, "background": False}),
+        prefill_drop=("seed",),
         check=lambda body, limits: check_responses(body),
     ),
 })

@@ -1,7 +1,7 @@
 """What the proxy checks in a completion, chat or responses request before any P is asked (pure).
 
 P gets a changed copy of the request (``n``, ``max_tokens``, ``stream`` replaced; ``stream_options``, ``min_tokens``,
-``min_completion_tokens``, ``best_of``, ``use_beam_search`` dropped: :mod:`~vllm_kvp2p.proxy.endpoints`),
+``min_completion_tokens``, ``best_of``, ``use_beam_search``, ``seed`` dropped: :mod:`~vllm_kvp2p.proxy.endpoints`),
 so P never sees those values. Were one of them something D refuses, P would already hold the prompt's KV for a
 decoder that never comes (until P's hold timeout). So each value P does not see is checked here, the way vLLM 0.32
 checks it (pydantic's lax parsing: ``"3"`` and ``3.0`` are an int, ``"yes"`` a bool), and the whole request is
@@ -123,6 +123,7 @@ def check_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> None:
     _bool_field(body, "stream")
     _check_stream_options(body)
     _check_token_counts(body, chat=chat)
+    _check_seed(body)
     if "use_beam_search" in body and body["use_beam_search"] is None:  # vLLM's field is a bool, not Optional
         raise invalid("use_beam_search", "use_beam_search must be a boolean, got None")
     if _bool_field(body, "use_beam_search"):
@@ -250,6 +251,20 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
+#: vLLM's bounds on ``seed`` (its request models: ``Field(None, ge=_INT64_MIN, le=_INT64_MAX)``).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_seed(body: dict[str, Any]) -> None:
+    """``seed`` (dropped for P, endpoints.py): an integer within vLLM's 64-bit bounds, or null."""
+    try:
+        seed = lax_int(body.get("seed"))
+    except ValueError as exc:
+        raise invalid("seed", f"seed must be an integer: {exc}") from exc
+    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+        raise invalid("seed", f"seed must be between {_INT64_MIN} and {_INT64_MAX}, got {seed}.")
+
+
 #: vLLM's default ``max_tokens`` of a completion request (a null is read as it too).
 _COMPLETION_MAX_TOKENS = 16
 #: The most tokens vLLM generates whatever the context (its platforms' bound, ``sys.maxsize``): a larger minimum is
@@ -313,6 +328,7 @@ def check_responses(body: dict[str, Any]) -> None:
             "one engine (a vLLM instance) directly."))
     _bool_field(body, "stream")
     _bool_field(body, "store")
+    _check_seed(body)
     try:
         max_output = lax_int(body.get("max_output_tokens"))
     except ValueError as exc:

@@ -70,6 +70,14 @@ NEWEST_VLLM_ONLY = {
                  "timers, probes and lifecycle, the same code on every vLLM (tests/worker runs them on 0.23 against "
                  "real Mooncake engines); D's side in vLLM, a failed load recomputed, runs on 0.23 in "
                  "e2e/test_hostile_params.py",
+    "e2e/test_parallel_sampling_kv_pressure.py": "n > 1 children under KV pressure through one more, small D: D's "
+                 "roles (one record per request, ended holds remembered) are the connector's own code; the vLLM "
+                 "seams they meet (children added one at a time, preemption, a request that does not fit) run on "
+                 "0.23 in tests/scheduler/test_parallel_sampling.py on vLLM's real Scheduler, each case failing "
+                 "without the fix, and n = 3 through real engines in e2e/test_openai_clients.py",
+    "worker/test_integrity_fairness.py": "P's question queue and D's handling of a busy or erring P: the "
+                 "connector's own code over ZMQ; Mooncake 0.3.11's reads and the integrity sums they are checked "
+                 "against run on 0.23 in worker/test_integrity.py",
     "e2e_multinode/test_tp_over_nodes.py": "P's TP ranks on two nodes: the rank table is gathered over vLLM's TP "
                  "group (compat.gather_over_engine), which runs on 0.23 in e2e_tp (P at TP 2 on one host); what the "
                  "second node adds is each rank's own address (compat.node_ip) and the secret on every node, which "

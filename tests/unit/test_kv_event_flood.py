@@ -16,6 +16,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -75,6 +76,22 @@ class Ticker:
         self._tick()  # a ticker that never got to run stalled from its start until now
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def joined_feed(pub: zmq.Socket, pool: InstancePool, inst: Any
+                      ) -> tuple[zmq.asyncio.Context, KVEventFeed, asyncio.Task[None]]:
+    """A feed of ``inst``'s events running on this loop, once its subscription to ``pub`` has joined (an empty
+    batch, sequence 0, applied): its context, the feed and its task, for the caller to read and stop."""
+    actx = zmq.asyncio.Context()
+    feed = KVEventFeed(actx, pool, inst, make_hasher("sha256"))
+    task = asyncio.create_task(feed.run())
+    for _ in range(200):
+        pub.send_multipart([b"", seq(0), msgspec.msgpack.encode([0.0, [], None])])
+        await asyncio.sleep(0.02)
+        if inst.cache.last_seq is not None:
+            break
+    assert inst.cache.last_seq == 0
+    return actx, feed, task
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -144,15 +161,7 @@ def test_a_flood_of_big_batches_does_not_stall_the_event_loop() -> None:
     payloads = [big_batch(k) for k in range(8)]
 
     async def scenario() -> float:
-        actx = zmq.asyncio.Context()
-        feed = KVEventFeed(actx, pool, inst, make_hasher("sha256"))
-        task = asyncio.create_task(feed.run())
-        for _ in range(200):  # until the subscription has joined
-            pub.send_multipart([b"", seq(0), msgspec.msgpack.encode([0.0, [], None])])
-            await asyncio.sleep(0.02)
-            if inst.cache.last_seq is not None:
-                break
-        assert inst.cache.last_seq == 0
+        actx, feed, task = await joined_feed(pub, pool, inst)
         # The flood, sent from another thread while the loop runs the feed and the ticker.
         sender = threading.Thread(target=lambda: [pub.send_multipart([b"", seq(n), payloads[n % len(payloads)]])
                                                   for n in range(1, FLOOD + 1)])
@@ -203,15 +212,7 @@ def test_a_replay_is_applied_as_it_arrives_and_keeps_the_loop_running() -> None:
     inst = pool.instances[0]
 
     async def scenario() -> tuple[float, int]:
-        actx = zmq.asyncio.Context()
-        feed = KVEventFeed(actx, pool, inst, make_hasher("sha256"))
-        task = asyncio.create_task(feed.run())
-        for _ in range(200):
-            pub.send_multipart([b"", seq(0), msgspec.msgpack.encode([0.0, [], None])])
-            await asyncio.sleep(0.02)
-            if inst.cache.last_seq is not None:
-                break
-        assert inst.cache.last_seq == 0
+        actx, feed, task = await joined_feed(pub, pool, inst)
         server = threading.Thread(target=serve_replay)
         server.start()
         ticker = Ticker()
@@ -335,15 +336,7 @@ def test_large_unknown_events_do_not_stall_the_event_loop() -> None:
     assert len(payload) <= 4 * 2**20
 
     async def scenario() -> float:
-        actx = zmq.asyncio.Context()
-        feed = KVEventFeed(actx, pool, inst, make_hasher("sha256"))
-        task = asyncio.create_task(feed.run())
-        for _ in range(200):  # until the subscription has joined
-            pub.send_multipart([b"", seq(0), msgspec.msgpack.encode([0.0, [], None])])
-            await asyncio.sleep(0.02)
-            if inst.cache.last_seq is not None:
-                break
-        assert inst.cache.last_seq == 0
+        actx, feed, task = await joined_feed(pub, pool, inst)
         ticker = Ticker()
         for n in range(1, messages + 1):
             pub.send_multipart([b"", seq(n), payload])

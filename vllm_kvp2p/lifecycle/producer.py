@@ -318,12 +318,7 @@ class ProducerLedger:
         prev = self._early.get(key)
         if prev is not None and prev.readers:
             return AbandonOutcome.IN_USE, "a reader released it before P heard of it"
-        if prev is None and len(self._early) >= self.max_early_releases:
-            self._drop_expired_early(now)
-        if prev is None and len(self._early) >= self.max_early_releases:
-            self._refuse(request_id, "early_release_table_full", f"abandon before the hold not kept: "
-                         f"{self.max_early_releases} early releases already waiting (the hold then waits for "
-                         "hold_timeout)")
+        if prev is None and not self._early_room(request_id, "abandon", now):
             return AbandonOutcome.REFUSED, "too many early releases waiting"
         self._early.pop(key, None)  # re-inserted at the end: the table stays ordered by expiry
         self._early[key] = _EarlyRelease(frozenset(), 1, now + self.early_release_ttl, abandon_mac=mac)
@@ -482,12 +477,7 @@ class ProducerLedger:
     def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
         key = (request_id, hold_id)
         prev = self._early.pop(key, None)
-        if prev is None and len(self._early) >= self.max_early_releases:
-            self._drop_expired_early(now)
-        if prev is None and len(self._early) >= self.max_early_releases:
-            self._refuse(request_id, "early_release_table_full", f"release by {reader} before the hold not kept: "
-                         f"{self.max_early_releases} early releases already waiting (the hold then waits for "
-                         "hold_timeout)")
+        if prev is None and not self._early_room(request_id, f"release by {reader}", now):
             return
         readers = (prev.readers if prev else frozenset()) | {reader}
         if len(readers) > MAX_TP_SIZE and prev is not None:
@@ -495,6 +485,17 @@ class ProducerLedger:
             readers = prev.readers
         # Re-inserted at the end: the table stays ordered by expiry.
         self._early[key] = _EarlyRelease(readers, expected_readers, now + self.early_release_ttl)
+
+    def _early_room(self, request_id: str, what: str, now: float) -> bool:
+        """Whether one more early entry fits (expired ones dropped first); if not, counted and said."""
+        if len(self._early) >= self.max_early_releases:
+            self._drop_expired_early(now)
+        if len(self._early) < self.max_early_releases:
+            return True
+        self._refuse(request_id, "early_release_table_full", f"{what} before the hold not kept: "
+                     f"{self.max_early_releases} early releases already waiting (the hold then waits for "
+                     "hold_timeout)")
+        return False
 
     def _drop_expired_early(self, now: float) -> None:
         while self._early:  # ordered by expiry, oldest first

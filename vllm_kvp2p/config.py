@@ -372,6 +372,21 @@ def setting_text(value: Any) -> str:
     return str(value) if value != "" else '""'
 
 
+def secret_from_environment(env: Mapping[str, str]) -> tuple[bytes, float]:
+    """The shared secret and ``clock_skew`` as the engines read them from the environment (``VLLM_KVP2P_SECRET`` or
+    ``VLLM_KVP2P_SECRET_FILE``, ``VLLM_KVP2P_CLOCK_SKEW``), for processes without a KV-transfer config: the proxy.
+    Raises :class:`ConfigError` naming the setting."""
+    secret = _load_secret(env.get(ENV_PREFIX + "SECRET"), env.get(ENV_PREFIX + "SECRET_FILE", ""))
+    skew_text = env.get(ENV_PREFIX + "CLOCK_SKEW", "30")
+    try:
+        skew = float(skew_text)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}CLOCK_SKEW={skew_text!r}: not a number of seconds") from None
+    if not skew > 0:
+        raise ConfigError(f"{ENV_PREFIX}CLOCK_SKEW={skew_text!r}: must be positive")
+    return secret, skew
+
+
 def _load_secret(from_env: str | None, secret_file: str) -> bytes:
     """The shared secret (stripped of surrounding white space), or b"" for none."""
     if from_env is not None and secret_file:

@@ -67,7 +67,7 @@ from vllm_kvp2p.protocol import (
     Request,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import MAX_DEFERRED, SideChannelServer
+from vllm_kvp2p.side_channel import MAX_DEFERRED, SideChannelServer, Unsealed
 
 logger = get_logger(__name__)
 
@@ -208,7 +208,7 @@ class HoldService:
             return (tally, {k: v for k, v in dropped.items() if v > 0}, self.ledger.blocks_held,
                     self.ledger.oldest_hold_age(self._clock()))
 
-    def _handle(self, message: Request) -> Reply | Future[Reply]:
+    def _handle(self, message: Request | Unsealed) -> Reply | Future[Reply]:
         if isinstance(message, Release):
             with self._lock:
                 try:
@@ -244,10 +244,14 @@ class HoldService:
                     return self.ledger.renew(
                         message.request_id, message.hold_id, message.reader, now, message.lease_token
                     )
-                if isinstance(message, Abandon):
-                    outcome, why = self.ledger.abandon(message.request_id, message.hold_id, message.mac, now)
-                    logger.debug("KV hold %s (hold %s): abandoned: %s %s", message.request_id, message.hold_id,
-                                 outcome.value, why)
+                if isinstance(message, (Abandon, Unsealed)):
+                    # An unsealed one (at a P with a secret) is not remembered before its hold: nothing checks it then.
+                    sealed = isinstance(message, Abandon)
+                    abandon = message if isinstance(message, Abandon) else message.message
+                    outcome, why = self.ledger.abandon(abandon.request_id, abandon.hold_id, abandon.mac, now,
+                                                       remember=sealed)
+                    logger.debug("KV hold %s (hold %s): abandoned%s: %s %s", abandon.request_id, abandon.hold_id,
+                                 "" if sealed else " (unsealed)", outcome.value, why)
                     if outcome is AbandonOutcome.RELEASED and self._on_release is not None:
                         self._on_release()
                     return Abandoned(outcome, why)
@@ -314,24 +318,34 @@ class HoldService:
         first slice, and answered (its release decided, under the lock) once summed, refused, or past its
         deadline."""
         while (work := self._next_slice()) is not None:
-            question, asked = work.question, work.question.payload
-            assert asked.release.verify is not None
-            if work.start == 0:
-                problem = query_problem(asked.release.verify, self.registration.planes, asked.held)
-                if problem:
-                    with self._lock:
-                        if self._questions.drop(question):
-                            self._refused(asked.release, problem, "integrity_question_refused")
-                            self._answer(question, self._clock(), NoSums.REFUSED)
-                    continue
-            started = time.perf_counter()
-            sums = self._sums(asked.release, DigestQuery(asked.release.verify.units[work.start:work.end]))
-            took = time.perf_counter() - started
-            with self._lock:
-                done = self._questions.slice_done(work, sums, took)
-                if done is not None:
-                    self._answer(done, self._clock(), NoSums.FAILED if done.sums is None else None)
-                self._log_events()
+            try:
+                self._sum_slice(work)
+            except Exception:  # noqa: BLE001 - a bug on one question must not leave every later one unanswered
+                logger.exception("KV hold %s: integrity question failed", work.question.payload.release.request_id)
+                with self._lock:
+                    if self._questions.drop(work.question):
+                        self._answer(work.question, self._clock(), NoSums.FAILED)
+                    self._log_events()
+
+    def _sum_slice(self, work: Slice[_Asked]) -> None:
+        question, asked = work.question, work.question.payload
+        assert asked.release.verify is not None
+        if work.start == 0:
+            problem = query_problem(asked.release.verify, self.registration.planes, asked.held)
+            if problem:
+                with self._lock:
+                    if self._questions.drop(question):
+                        self._refused(asked.release, problem, "integrity_question_refused")
+                        self._answer(question, self._clock(), NoSums.REFUSED)
+                return
+        started = time.perf_counter()
+        sums = self._sums(asked.release, DigestQuery(asked.release.verify.units[work.start:work.end]))
+        took = time.perf_counter() - started
+        with self._lock:
+            done = self._questions.slice_done(work, sums, took)
+            if done is not None:
+                self._answer(done, self._clock(), NoSums.FAILED if done.sums is None else None)
+            self._log_events()
 
     def _next_slice(self) -> Slice[_Asked] | None:
         """The next slice to sum, once there is one (None: closing); answers the questions past their deadline."""

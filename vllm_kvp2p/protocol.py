@@ -108,6 +108,11 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
         return out
 
 
+#: Where D's answer to a request with params reports its pull (``kv_transfer_params[PULL_REPORT_KEY]``: ok, blocks,
+#: bytes, seconds, ...; vllm_kvp2p/scheduler.py fills it, the proxy reads whether it is ok).
+PULL_REPORT_KEY = "kvp2p_pull"
+
+
 def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
     """What binds params to a prompt: SHA-256 (first 128 bits, hex) of the token ids and whatever else decides the
     KV of those tokens (``extras``: the LoRA adapter, multimodal inputs and their positions, prompt embeddings;
@@ -372,6 +377,7 @@ class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
 class AbandonOutcome(str, Enum):
     RELEASED = "released"  # P freed the hold
     REMEMBERED = "remembered"  # P has not heard of the hold yet (it learns one an engine step late): freed on arrival
+    UNKNOWN = "unknown"  # P has not heard of the hold yet and does not remember an unsealed abandon: send it again
     IN_USE = "in_use"  # a reader claimed or released it: D's engine has the request, its release ends the hold
     ENDED = "ended"  # already released or expired
     REFUSED = "refused"  # the params do not match the hold (another hold id, a wrong mac), or a bound was hit

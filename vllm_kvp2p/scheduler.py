@@ -37,6 +37,7 @@ from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.lora_weights import lora_digest, see_adapter, watch_engine_loads
 from vllm_kvp2p.metadata import HoldOrder, KVP2PMetadata, KVP2PWorkerMetadata, PullReport
 from vllm_kvp2p.metrics import Kvp2pStats
+from vllm_kvp2p.protocol import PULL_REPORT_KEY as PULL_REPORT_KEY  # re-exported: tests read D's reports by it
 from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.step_wakeup import StepWaiter
 
@@ -54,7 +55,6 @@ logger = get_logger(__name__)
 MAX_DIGESTS = 4096
 
 # Key of D's own transfer report in the kv_transfer_params it returns with a finished request.
-PULL_REPORT_KEY = "kvp2p_pull"
 
 
 class SchedulerSide:

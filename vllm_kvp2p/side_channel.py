@@ -19,6 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -50,6 +51,14 @@ MAX_DEFERRED = 1024
 #: on that socket), and counted ``dropped["resent_copy_dropped"]``: a peer resending one request 1,100 times holds
 #: one slot and this many copies, not 1,100 slots (which filled the table and failed other readers' releases).
 MAX_COPIES = 4
+
+
+@dataclass(frozen=True)
+class Unsealed:
+    """What a server with a shared secret hands its handler for an unsealed :class:`~vllm_kvp2p.protocol.Abandon`
+    (the one request it takes unsealed): the handler knows its sender proved nothing but the params it names."""
+
+    message: protocol.Abandon
 
 
 def endpoint(host: str, port: int) -> str:
@@ -127,7 +136,8 @@ class SideChannelServer:
     returns the same Future for copies of one request has them share one, each copy answered)."""
 
     def __init__(
-        self, host: str, port: int, handler: Callable[[Request], Reply | Future[Reply]], *, setting: str = "",
+        self, host: str, port: int, handler: Callable[[Request | Unsealed], Reply | Future[Reply]], *,
+        setting: str = "",
         auth: Authenticator | None = None,
     ) -> None:
         self.address = endpoint(host, port)
@@ -269,7 +279,7 @@ class SideChannelServer:
         """An unsealed :class:`~vllm_kvp2p.protocol.Abandon` (its sender has the params, not the secret): handled
         at once, answered unsealed."""
         try:
-            reply = self._handler(abandon)
+            reply = self._handler(Unsealed(abandon))
         except Exception as exc:  # a handler bug must not kill the server thread
             logger.exception("side-channel handler failed on an unsealed Abandon")
             self.dropped["handler_error"] += 1

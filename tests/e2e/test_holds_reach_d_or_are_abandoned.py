@@ -210,6 +210,10 @@ class StubD:
         async def answer(request: Request) -> Response:
             self.received.append(await request.json())
             await asyncio.sleep(self.delay_s)
+            if self.status == 200:  # D's verdict refused the params without contacting P, and D recomputed
+                return JSONResponse({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                                     "kv_transfer_params": {"kvp2p_pull": {"ok": False, "reason": "prompt digest "
+                                                                           "mismatch", "failure": "invalid_params"}}})
             return JSONResponse({"error": {"message": "D is overloaded", "type": "ServiceUnavailable"}}, self.status)
 
         app.post("/v1/completions")(answer)
@@ -233,8 +237,10 @@ def proxy_before(cluster: Cluster) -> Iterator[Callable[[str], str]]:
         server.stop()
 
 
-@pytest.mark.parametrize("status", [500, 429])
+@pytest.mark.parametrize("status", [500, 429, 200], ids=["500", "429", "200 with P never contacted"])
 def test_d_answering_before_its_engine(cluster: Cluster, proxy_before: Callable[[str], str], status: int) -> None:
+    """D's 5xx or 429 before its engine; and D's 200 for a request whose params its verdict refused without
+    contacting P (a prompt-digest mismatch, an expired signature: D recomputed, P was never told)."""
     d = StubD(status)
     try:
         before = holds(cluster.prefill)

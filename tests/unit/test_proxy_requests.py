@@ -253,6 +253,20 @@ def test_client_leaving_cancels_the_request_upstream(
         assert stubs["P0"].cancelled == 0 and stubs["D0"].received == []
 
 
+def test_prefills_run_for_clients_that_left_are_bounded(stubs: dict[str, Stub], make_proxy: Callable[..., str]
+                                                         ) -> None:
+    """A client may not make P run prefills for nobody without end by leaving at once: past --max-orphan-prefills
+    (here 1) P's request is aborted as it was before abandons existed, and counted."""
+    url = one_pd(stubs, make_proxy, max_orphan_prefills=1)
+    stubs["P0"].delay_s = 1.0
+    for i in range(3):
+        leave_mid_request(url, {**COMPLETION, "prompt": f"p{i}"}, lambda n=i + 1: len(stubs["P0"].received) == n)
+    wait_for(lambda: stubs["P0"].cancelled == 2, 3.0, lambda: (stubs["P0"].cancelled, abandons(url)))
+    wait_for(lambda: abandons(url).get("invalid") == 1, 3.0, lambda: abandons(url))  # the one run to its answer
+    assert abandons(url)["prefills_aborted"] == 2 and stubs["D0"].received == []
+    wait_for(lambda: outstanding(url) == [0, 0], 2.0, lambda: proxy_health(url))
+
+
 def test_client_leaving_cancels_every_part_of_a_batch(stubs: dict[str, Stub], make_proxy: Callable[..., str]) -> None:
     url = one_pd(stubs, make_proxy)
     stubs["D0"].mode = "slow"

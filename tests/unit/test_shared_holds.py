@@ -208,3 +208,18 @@ def test_siblings_share_only_the_same_tokens() -> None:
     offers.remember("0_q", 1, "d", {})
     offers.remember("0_r", 1, "d", {})
     assert offers.shared("1_p", 40, "d") is None  # forgotten: the oldest parent beyond the capacity
+
+
+def test_a_reader_ending_twice_is_told_once() -> None:
+    """A request id that comes back (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, a client's own ids) may end the same
+    hold's reader twice: the hold is remembered once and forgotten once, without a KeyError at its end."""
+    holds = SharedHolds(lifetime=10.0)
+    one = msgspec.convert(params("h"), type=type(remote([[1]], 16, BS)))
+    other = msgspec.convert(params("x"), type=type(one))
+    role, use = holds.join(KIDS[0], one, now=0.0)
+    assert role is Role.READER and use is not None
+    holds.on_reader_finished(use, now=1.0)
+    holds.on_reader_finished(use, now=2.0)
+    assert holds.remembered == 1
+    holds.join(KIDS[1], other, now=20.0)  # forgets the ended hold: once, no KeyError
+    assert holds.remembered == 0

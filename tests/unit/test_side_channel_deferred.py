@@ -49,6 +49,14 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[SideChannelServer, 
     server.close()
 
 
+def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``check`` (the server thread delivers requests to the handler); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the request never reached the handler"
+        time.sleep(0.01)
+
+
 def ask(port: int, message: Request, auth: Authenticator | None, timeout: float = 5.0) -> tuple[str, float]:
     """What the server answered (an error's text: the client raises it) and how long it took."""
     client = SideChannelClient(timeout, attempts=1, auth=auth)
@@ -67,8 +75,7 @@ def test_a_deferred_answer_holds_up_nothing_and_arrives_when_set(served) -> None
     answers: list[tuple[str, float]] = []
     waiting = threading.Thread(target=lambda: answers.append(ask(port, GetRegistration(1), auth)))
     waiting.start()
-    while not handler.later:
-        time.sleep(0.01)
+    wait_until(lambda: bool(handler.later))
     said, took = ask(port, GetRankTable(), auth)  # while the first waits for its answer
     assert "at once: GetRankTable" in said and took < 0.5, (said, took)
     time.sleep(0.3)
@@ -150,8 +157,7 @@ def test_copies_of_one_request_take_one_slot_so_another_request_is_still_deferre
             assert answers and "2 requests already waiting" in answers[0][0], answers
             assert server.dropped["deferred_full"] >= 1
             return
-        while not handler.later:
-            time.sleep(0.01)
+        wait_until(lambda: bool(handler.later))
         handler.later[0].set_result(ErrorReply("later"))
         honest.join(5)
         assert answers and "answered with an error: later" in answers[0][0], answers

@@ -297,11 +297,14 @@ class ProducerLedger:
         hold.grant(reader, renewed)  # later only: the hold's heap entry stays (expire() files it again)
         return ClaimReply(ClaimStatus.GRANTED, lease=renewed.until - now, lease_token=lease_token)
 
-    def abandon(self, request_id: str, hold_id: str, mac: str, now: float) -> tuple[AbandonOutcome, str]:
+    def abandon(self, request_id: str, hold_id: str, mac: str, now: float, *, remember: bool = True
+                ) -> tuple[AbandonOutcome, str]:
         """The holder of the hold's params will deliver them to no decoder (vllm_kvp2p/protocol.Abandon): free the
         hold now if no reader has touched it. ``mac``: the params' (what P issued with the hold; "" unsigned). A
-        hold P has not heard of yet is remembered like an early release and freed when it arrives. Returns the
-        outcome and why."""
+        hold P has not heard of yet is remembered like an early release and freed when it arrives, unless
+        ``remember`` is false (an unsealed abandon at a P with a secret: its mac cannot be checked before the hold
+        arrives, so it must not take room an authenticated early release needs; the sender asks again). Returns
+        the outcome and why."""
         bad = self._bad_ids(request_id, hold_id, "")
         if bad:
             return AbandonOutcome.REFUSED, bad
@@ -318,6 +321,8 @@ class ProducerLedger:
         prev = self._early.get(key)
         if prev is not None and prev.readers:
             return AbandonOutcome.IN_USE, "a reader released it before P heard of it"
+        if not remember:
+            return AbandonOutcome.UNKNOWN, "P has not heard of the hold yet: send the abandon again"
         if prev is None and not self._early_room(request_id, "abandon", now):
             return AbandonOutcome.REFUSED, "too many early releases waiting"
         self._early.pop(key, None)  # re-inserted at the end: the table stays ordered by expiry

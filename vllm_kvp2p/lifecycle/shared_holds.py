@@ -74,6 +74,7 @@ class HoldUse:
     key: HoldKey
     reader: str
     landed: bool = False
+    ended: bool = False  # its reader left vLLM (told once: a request id that comes back must not end it twice)
 
 
 class SharedHolds:
@@ -110,8 +111,9 @@ class SharedHolds:
     def on_reader_finished(self, use: HoldUse, now: float) -> None:
         """The reader left vLLM (finished, aborted, failed): its followers go on; a late child still follows."""
         use.landed = True
-        if self._holds.get(use.key) is not use:
+        if use.ended or self._holds.get(use.key) is not use:
             return
+        use.ended = True
         if parent_of(use.reader) is None:
             del self._holds[use.key]
             return

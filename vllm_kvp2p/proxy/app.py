@@ -35,13 +35,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from vllm_kvp2p.protocol import PULL_REPORT_KEY
 from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.batch_flow import run_batch
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
-from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
+from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner, authenticator_from_env
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
@@ -76,11 +77,24 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
 #: How many prompts of one batched request are in flight at once (``--max-batch-concurrency``).
 DEFAULT_MAX_BATCH_CONCURRENCY = 8
+#: Prefills run to P's answer after their client left, at once (their holds are then abandoned); more are aborted.
+DEFAULT_MAX_ORPHAN_PREFILLS = 64
 #: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 #: The prompt tokens the proxy counted as cached on P and on D: sent only with ``--cache-headers`` (an oracle over
 #: other clients' prompts: guess a prefix, read how much of it is cached).
 CACHE_HEADERS = ("X-KVP2P-Prefill-Cached-Tokens", "X-KVP2P-Decode-Cached-Tokens")
+
+#: How D's whole answer starts its pull report (vLLM renders JSON compact; the connector's report puts ``ok`` first):
+#: found, D's connector claimed or released the hold. Not found (another layout, a follower of n > 1, a failed
+#: pull), the proxy abandons the hold, which frees it only if no reader touched it.
+_PULL_OK = b'"' + PULL_REPORT_KEY.encode() + b'":{"ok":true'
+
+
+def reports_its_pull(body: bytes) -> bool:
+    """Whether D's answer says its pull went well (a search of the bytes: the answer is not parsed on the loop)."""
+    return _PULL_OK in body
+
 
 class PrefillLost(ProxyError):
     """P went away before answering (:func:`~vllm_kvp2p.proxy.upstream.went_away`): the prefill can be retried."""
@@ -110,6 +124,7 @@ class PDProxy:
         limits: Limits | None = None,
         max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
         cache_headers: bool = False,
+        max_orphan_prefills: int = DEFAULT_MAX_ORPHAN_PREFILLS,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
@@ -135,8 +150,11 @@ class PDProxy:
         self._tasks: list[asyncio.Task[None]] = []
         #: P's holds the proxy will deliver to no D are abandoned through it (set while the app runs, with a P step).
         self._abandoner: HoldAbandoner | None = None
-        #: Prefills whose client left, run to their answer so that their holds can be abandoned.
+        #: Prefills whose client left, run to their answer so that their holds can be abandoned (at most
+        #: ``max_orphan_prefills``; past it they are aborted, counted in ``orphans_aborted``).
         self._orphans: set[asyncio.Future[Any]] = set()
+        self.max_orphan_prefills = max_orphan_prefills
+        self.orphans_aborted = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -149,7 +167,10 @@ class PDProxy:
         )
 
         if self.prefill is not None:
-            self._abandoner = HoldAbandoner()
+            self._abandoner = HoldAbandoner(auth=authenticator_from_env())
+            logger.info("P's holds the proxy does not deliver are abandoned over P's side channel, %s", "sealed with "
+                        "the shared secret" if self._abandoner.sealed else "unsealed (no VLLM_KVP2P_SECRET here: a P "
+                        "with a secret takes them, but a P of several ranks then cannot be reached; docs/security.md)")
         self._tasks.append(asyncio.create_task(
             probe_skipped(self.pools, self.client, self.health_probe_timeout_s), name="kvp2p-proxy-probe"))
         if self.prompts is not None:
@@ -174,7 +195,8 @@ class PDProxy:
         """Abandons sent to P by outcome (:mod:`hold_abandon`), and how many wait to be sent (``queued``)."""
         if self._abandoner is None:
             return {}
-        return {**self._abandoner.counts(), "queued": self._abandoner.pending}
+        return {**self._abandoner.counts(), "queued": self._abandoner.pending,
+                "prefills_run_for_left_clients": len(self._orphans), "prefills_aborted": self.orphans_aborted}
 
     @property
     def pools(self) -> tuple[InstancePool, ...]:
@@ -345,9 +367,9 @@ class PDProxy:
             prefill_ms = (time.monotonic() - t0) * 1000.0
             d_body["kv_transfer_params"] = kv
             info_headers.update({"X-KVP2P-Prefill-Instance": p_lease.url, "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}"})
-        # From here P holds the prompt's KV: unless D answers whole and well (its engine had the request, and its
-        # connector claimed or released the hold) or a relay takes the hold over (its close abandons it), P is told
-        # to abandon it (a hold a reader touched stays D's: vllm_kvp2p/proxy/hold_abandon.py).
+        # From here P holds the prompt's KV: unless D's whole answer reports its pull (D's connector claimed or
+        # released the hold), P is told to abandon it; a relay does so when it closes, however it ends (a stream
+        # carries no report). An abandon frees only a hold no reader touched: vllm_kvp2p/proxy/hold_abandon.py.
         handed_over = False
         try:
             d_lease = self.decode.acquire(prompt=prompt)
@@ -370,6 +392,8 @@ class PDProxy:
                                                                      info_headers)
                 finally:
                     self.decode.release(d_lease)
+                if not reports_its_pull(answer.body):  # e.g. D's verdict refused the params without contacting P
+                    self._abandon(kv)
             else:
                 try:
                     answer = await self._decode_stream(d_lease, path, d_body, headers, deadline, info_headers, rid,
@@ -397,6 +421,12 @@ class PDProxy:
         except asyncio.CancelledError:
             if task.done():
                 self._abandon_result(task)
+            elif len(self._orphans) >= self.max_orphan_prefills:
+                # Bounded: a client may not make P run prefills for nobody without end by leaving at once. Past the
+                # bound P's request is aborted, as before abandons existed (the race with P's answer is then
+                # hold_timeout's to end).
+                task.cancel()
+                self.orphans_aborted += 1
             else:
                 self._orphans.add(task)
                 task.add_done_callback(self._abandon_result)

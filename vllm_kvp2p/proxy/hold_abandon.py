@@ -2,65 +2,99 @@
 at P's ``hold_timeout``.
 
 A P/D flow ends in one of two ways once P has answered with ``kv_transfer_params``: D's engine got the request
-(its connector then claims or releases P's hold itself, whatever happens to the request afterwards), or it did
-not (D's API server refused the body, D could not be reached, the client left before D's engine saw it, a part of a
-batch was cancelled). The proxy cannot tell the two apart from outside D, and need not: it sends P an
-:class:`~vllm_kvp2p.protocol.Abandon` for every flow that did not end with D's whole successful answer, and P frees
-the hold only if no reader has touched it (lifecycle/producer.py decides). So the abandon is harmless where D's
-engine has the request and frees the hold where it never will.
+and its connector claimed or released P's hold, or not (D's API server refused the body, D could not be reached,
+the client left before D's engine saw it, a part of a batch was cancelled, D's verdict refused the params without
+contacting P). The proxy cannot always tell from outside D, and need not: it sends P an
+:class:`~vllm_kvp2p.protocol.Abandon` for every flow that did not end with D's answer reporting its pull, and P
+frees the hold only if no reader has touched it (lifecycle/producer.py decides). So the abandon is harmless where
+D's engine has the request and frees the hold where it never will.
 
-The abandon is authorised by the params (their hold id and mac), so the proxy needs no secret: with one, P takes
-an unsealed Abandon and nothing else unsealed (side_channel.py). A P of several ranks keeps a hold on each: the
-proxy asks its entry point for the rank table once per P incarnation (as D does, lifecycle/rank_table.py) and
-abandons on every rank.
+Authority: the params (their hold id and mac). With ``VLLM_KVP2P_SECRET`` (or ``_FILE``) set as on the engines,
+every frame is sealed; without it, a P with a secret takes the abandon unsealed (and nothing else), but does not
+remember one for a hold it has not heard of yet (P learns a hold an engine step after it answered), so the sender
+asks again a few times (:data:`UNKNOWN_RETRIES_S`). A P of several ranks keeps a hold on each: the sender asks its
+entry point for the rank table once per P incarnation (as D does, lifecycle/rank_table.py), which needs the secret
+where P has one.
 
-The side channel's client is blocking, so the abandons go out from one thread of their own, in order, each bounded
-by ``timeout_s``; at most ``max_queued`` wait (more are dropped and counted: their holds then end at
-``hold_timeout``, as they would without the proxy). Every outcome is counted (:meth:`HoldAbandoner.counts`, the
-proxy's ``/health``). A proxy restarted mid-flight forgets what it had not sent: ``hold_timeout`` bounds those.
+One sender thread, in order, each message bounded by ``timeout_s``; a P endpoint that could not be reached is
+skipped for :data:`UNREACHABLE_FOR_S` (its holds end at ``hold_timeout``), so a dead or frozen P costs one timeout
+per period, not one per abandon, and does not hold up the other P's. At most ``max_queued`` abandons wait (more are
+dropped and counted). Every outcome is counted (:meth:`HoldAbandoner.counts`, the proxy's ``/health``). A proxy
+restarted mid-flight forgets what it had not sent: ``hold_timeout`` bounds those.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.config import secret_from_environment
 from vllm_kvp2p.lifecycle.rank_table import Endpoint, endpoints_of, entry_only, table_problem
-from vllm_kvp2p.protocol import ANY_PORT, Abandon, Abandoned, GetRankTable, RankTable, RemotePrefill
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError
+from vllm_kvp2p.protocol import ANY_PORT, Abandon, Abandoned, AbandonOutcome, GetRankTable, RankTable, RemotePrefill
+from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
-#: Seconds one abandon may take per P rank (all attempts): a dead P refuses at once, a frozen one costs this.
+#: Seconds one message may take (all attempts): a dead P refuses at once, a frozen one costs this.
 DEFAULT_ABANDON_TIMEOUT_S = 2.0
-#: Abandons waiting to be sent: a burst of leaving clients, or a frozen P that makes each one wait its timeout.
+#: Abandons waiting to be sent: a burst of leaving clients.
 MAX_QUEUED = 4096
 #: Rank tables kept (per P entry point); a table is asked again when the params name another incarnation.
 MAX_TABLES = 256
+#: Seconds a P endpoint that did not answer is skipped (its holds end at hold_timeout, as they would anyway).
+UNREACHABLE_FOR_S = 5.0
+#: When to ask again, after the first, a P that has not heard of the hold and did not remember an unsealed abandon.
+UNKNOWN_RETRIES_S = (0.05, 0.15, 0.4, 1.0)
 #: Seconds between two warnings of one kind (a flood must not flood the log).
 WARNING_INTERVAL_S = 60.0
 
-#: The outcomes counted: P's answers (protocol.AbandonOutcome) and the proxy's own.
-OUTCOMES = ("released", "remembered", "in_use", "ended", "refused", "failed", "dropped", "invalid")
+#: The outcomes counted: P's answers (protocol.AbandonOutcome, per P rank) and the proxy's own (per hold, but
+#: ``failed`` and ``skipped``, per rank).
+OUTCOMES = (*(o.value for o in AbandonOutcome), "failed", "skipped", "dropped", "invalid")
+
+
+def authenticator_from_env(env: Mapping[str, str] = os.environ) -> Authenticator | None:
+    """The engines' shared secret, when the proxy's environment has it (else None: unsealed abandons)."""
+    secret, clock_skew = secret_from_environment(env)
+    return Authenticator(secret, clock_skew) if secret else None
+
+
+@dataclass(frozen=True)
+class _Job:
+    remote: RemotePrefill
+    endpoint: Endpoint | None = None  # None: every rank, once P's endpoints are known
+    attempt: int = 0  # how many times P answered "unknown" already
 
 
 class HoldAbandoner:
     """Sends P an abandon for each hold the proxy will not deliver (:meth:`abandon`, from the event loop)."""
 
-    def __init__(self, timeout_s: float = DEFAULT_ABANDON_TIMEOUT_S, max_queued: int = MAX_QUEUED) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_ABANDON_TIMEOUT_S, max_queued: int = MAX_QUEUED, *,
+                 auth: Authenticator | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"abandon timeout {timeout_s}: must be positive")
         self.timeout_s = timeout_s
-        self._queue: queue.Queue[RemotePrefill | None] = queue.Queue(maxsize=max_queued)
+        self.sealed = auth is not None
+        self._auth = auth
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
         self._warned: dict[str, float] = {}
-        self._tables: OrderedDict[Endpoint, RankTable] = OrderedDict()  # only the sender thread touches it
+        # Only the sender thread touches these: retries due later, endpoints skipped until, rank tables.
+        self._later: list[tuple[float, int, _Job]] = []
+        self._order = itertools.count()
+        self._unreachable: OrderedDict[Endpoint, float] = OrderedDict()
+        self._tables: OrderedDict[Endpoint, RankTable] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="kvp2p-proxy-abandon", daemon=True)
         self._thread.start()
 
@@ -71,28 +105,27 @@ class HoldAbandoner:
             self._count("invalid")
             return
         try:
-            self._queue.put_nowait(remote)
+            self._queue.put_nowait(_Job(remote))
         except queue.Full:
             self._count("dropped")
-            self._warn("dropped", f"{self._queue.maxsize} abandons already waiting (a frozen P?): the hold of "
+            self._warn("dropped", f"{self._queue.maxsize} abandons already waiting: the hold of "
                        f"{remote.remote_request_id} on {remote.remote_host}:{remote.remote_port} ends at P's "
                        "hold_timeout")
 
     def counts(self) -> dict[str, int]:
-        """Abandons by outcome since start: per P rank for P's answers, per hold for the proxy's own."""
+        """Abandons by outcome since start (P's answers per P rank; dropped and invalid per hold)."""
         with self._lock:
             return dict(self._counts)
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Abandons queued or waiting to be asked again."""
+        return self._queue.unfinished_tasks
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued abandon was sent (or ``timeout_s`` passed); for shutdown and tests."""
+        """Wait until every queued abandon was sent, retries included (or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         return self._queue.unfinished_tasks == 0
 
@@ -108,43 +141,85 @@ class HoldAbandoner:
     # ------------------------------------------------------------------ the sender thread
 
     def _run(self) -> None:
-        client = SideChannelClient(self.timeout_s, attempts=2)
+        client = SideChannelClient(self.timeout_s, attempts=2, auth=self._auth)
         try:
-            while (remote := self._queue.get()) is not None:
+            while True:
+                wait = max(0.0, self._later[0][0] - time.monotonic()) if self._later else None
                 try:
-                    self._send(client, remote)
+                    job = self._queue.get(timeout=wait)
+                except queue.Empty:  # a retry is due
+                    job = heapq.heappop(self._later)[2]
+                if job is None:
+                    self._queue.task_done()
+                    return
+                try:
+                    self._send(client, job)
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any one abandon
                     self._count("failed")
-                    self._warn("error", f"abandon of {remote.remote_request_id} failed: {type(exc).__name__}: {exc}")
+                    self._warn("error", f"abandon of {job.remote.remote_request_id} failed: {type(exc).__name__}: "
+                               f"{exc}")
                 finally:
-                    self._queue.task_done()
-            self._queue.task_done()
+                    self._queue.task_done()  # a retry was put back counted (_again)
         finally:
             client.close()
 
-    def _send(self, client: SideChannelClient, remote: RemotePrefill) -> None:
-        endpoints = self._endpoints(client, remote)
-        if endpoints is None:
+    def _again(self, job: _Job, delay_s: float) -> None:
+        """Ask again later; the job stays pending (drain waits for it)."""
+        with self._queue.all_tasks_done:
+            self._queue.unfinished_tasks += 1
+        heapq.heappush(self._later, (time.monotonic() + delay_s, next(self._order), job))
+
+    def _send(self, client: SideChannelClient, job: _Job) -> None:
+        remote = job.remote
+        if job.endpoint is None:
+            endpoints = self._endpoints(client, remote)
+            if endpoints is None:
+                return
+            for endpoint in endpoints[1:]:  # each rank's own job: asked again on its own
+                self._again(_Job(remote, endpoint), 0.0)
+            job = _Job(remote, endpoints[0])
+        assert job.endpoint is not None
+        host, port = job.endpoint
+        if self._skipped(job.endpoint, remote):
             return
-        message = Abandon(remote.remote_request_id, remote.remote_hold_id, remote.mac)
-        for host, port in endpoints:
-            try:
-                reply = client.request(host, port, message)
-            except SideChannelError as exc:
-                self._count("failed")
-                self._warn("failed", f"abandon of {remote.remote_request_id} not delivered to P at {host}:{port}: "
-                           f"{exc} (its hold ends at P's hold_timeout)")
-                continue
-            if isinstance(reply, Abandoned):
-                self._count(reply.outcome.value)
-                if reply.outcome.value == "refused":
-                    self._warn("refused", f"P at {host}:{port} refused the abandon of {remote.remote_request_id}: "
-                               f"{reply.reason}")
-            else:  # an older P: its side channel does not know the message
-                self._count("failed")
-                self._warn("old", f"P at {host}:{port} answered the abandon of {remote.remote_request_id} with "
-                           f"{type(reply).__name__}: {str(getattr(reply, 'message', ''))[:200]} (a P of an older "
-                           "release: its holds end at hold_timeout)")
+        try:
+            reply = client.request(host, port, Abandon(remote.remote_request_id, remote.remote_hold_id, remote.mac))
+        except SideChannelError as exc:
+            self._count("failed")
+            if not isinstance(exc, Unauthenticated):  # an answer: P is up
+                self._mark_unreachable(job.endpoint)
+            self._warn("failed", f"abandon of {remote.remote_request_id} not delivered to P at {host}:{port}: {exc} "
+                       "(its hold ends at P's hold_timeout)")
+            return
+        if not isinstance(reply, Abandoned):  # an older P: its side channel does not know the message
+            self._count("failed")
+            self._warn("old", f"P at {host}:{port} answered the abandon of {remote.remote_request_id} with "
+                       f"{type(reply).__name__} (a P of an older release: its holds end at hold_timeout)")
+            return
+        if reply.outcome is AbandonOutcome.UNKNOWN and job.attempt < len(UNKNOWN_RETRIES_S):
+            self._again(_Job(remote, job.endpoint, job.attempt + 1), UNKNOWN_RETRIES_S[job.attempt])
+            return
+        self._count(reply.outcome.value)
+        if reply.outcome is AbandonOutcome.REFUSED:
+            self._warn("refused", f"P at {host}:{port} refused the abandon of {remote.remote_request_id}: "
+                       f"{reply.reason}")
+
+    def _mark_unreachable(self, endpoint: Endpoint) -> None:
+        """Skip ``endpoint`` for UNREACHABLE_FOR_S (kept in expiry order, at most MAX_TABLES endpoints)."""
+        self._unreachable.pop(endpoint, None)
+        self._unreachable[endpoint] = time.monotonic() + UNREACHABLE_FOR_S
+        while len(self._unreachable) > MAX_TABLES:
+            self._unreachable.popitem(last=False)
+
+    def _skipped(self, endpoint: Endpoint, remote: RemotePrefill) -> bool:
+        """Whether ``endpoint`` did not answer lately (then counted, not asked)."""
+        now = time.monotonic()
+        while self._unreachable and next(iter(self._unreachable.values())) <= now:
+            self._unreachable.popitem(last=False)
+        if self._unreachable.get(endpoint, 0.0) > now:
+            self._count("skipped")
+            return True
+        return False
 
     def _endpoints(self, client: SideChannelClient, remote: RemotePrefill) -> tuple[Endpoint, ...] | None:
         """Every rank of P's engine, from its rank table for a P of more than one rank (None: not to be had)."""
@@ -155,12 +230,18 @@ class HoldAbandoner:
         table = self._tables.get(entry)
         if table is None or table_problem(table, remote, ANY_PORT):
             self._tables.pop(entry, None)
+            if self._skipped(entry, remote):
+                return None
             try:
                 reply = client.request(*entry, GetRankTable())
             except SideChannelError as exc:
                 self._count("failed")
-                self._warn("failed", f"P's entry point {entry[0]}:{entry[1]} gave no rank table for the abandon of "
-                           f"{remote.remote_request_id}: {exc}")
+                hint = (" (P has a shared secret: give the proxy VLLM_KVP2P_SECRET or VLLM_KVP2P_SECRET_FILE too, "
+                        "as its engines have)" if isinstance(exc, Unauthenticated) and not self.sealed else "")
+                if not isinstance(exc, Unauthenticated):
+                    self._mark_unreachable(entry)
+                self._warn("table", f"P's entry point {entry[0]}:{entry[1]} gave no rank table for the abandon of "
+                           f"{remote.remote_request_id}: {exc}{hint}")
                 return None
             problem = (table_problem(reply, remote, ANY_PORT) if isinstance(reply, RankTable)
                        else f"it answered {type(reply).__name__}")

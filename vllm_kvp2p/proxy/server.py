@@ -17,6 +17,7 @@ from vllm_kvp2p.proxy.app import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_PROBE_TIMEOUT_S,
     DEFAULT_MAX_BATCH_CONCURRENCY,
+    DEFAULT_MAX_ORPHAN_PREFILLS,
     DEFAULT_TIMEOUT_S,
     PDProxy,
 )
@@ -57,6 +58,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
     cache_headers: bool = False,
+    max_orphan_prefills: int = DEFAULT_MAX_ORPHAN_PREFILLS,
 ) -> ProxyASGI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -111,6 +113,7 @@ def create_app(
             hasher, timeout_s=tokenize_timeout_s, local_tokenizer=LocalTokenizer(tokenizer) if tokenizer else None),
         limits=Limits(max_n=max_n, max_batch_prompts=max_batch_prompts, max_body_bytes=max_body_bytes),
         max_batch_concurrency=max_batch_concurrency,
+        max_orphan_prefills=max_orphan_prefills,
         cache_headers=cache_headers,
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:

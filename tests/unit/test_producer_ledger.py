@@ -716,4 +716,4 @@ def test_readers_per_hold_is_kept_without_scanning_the_holds() -> None:
             lg.abandon(rid, "h", "", now)
         scan = max((h.num_readers for h in lg._holds.values()), default=0)
         assert lg.table_sizes()["readers_per_hold"] == scan
-        assert all(count >= 0 for count in lg._reader_counts.values())
+        assert all(count >= 0 for count in lg._holds.reader_counts.values())

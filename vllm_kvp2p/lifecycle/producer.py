@@ -23,19 +23,16 @@
 * A hold is known by its request id **and** its hold id (random per hold): a request id that comes back (reused by
   a client, or a collision of vLLM's random suffix) gets a hold of its own, and every delayed free is reported
   exactly once, whatever the ids.
-* Time costs what expires, not what is held: each hold has one entry in a heap of deadlines, at (or before) the
-  next moment something about it may change (its first lease to lapse; without leases, its hold deadline), and
-  :meth:`ProducerLedger.expire` looks only at holds whose deadline has come.
+* Time costs what expires, not what is held: :meth:`ProducerLedger.expire` looks only at holds whose next deadline
+  (their first lease to lapse; without leases, their hold deadline) has come (lifecycle/deadline_heap.py).
 
 Bounds (the side channel is not authenticated, so every peer is a possible attacker; docs/security.md):
 
 * No hold pins its blocks past ``created + hold_timeout + lease_timeout`` (its ``pin_deadline``), whatever its
   claims name and however often they are renewed: leases are granted only up to it, :meth:`ProducerLedger.expire`
   frees the hold once it has passed.
-* The heap of deadlines holds at most ``2 x live holds + STALE_SLACK`` entries, whatever peers send: a message
-  that moves a hold's deadline later (a renewal, a resent claim) adds no entry (the current one comes up early and
-  :meth:`ProducerLedger.expire` files the hold again at its real deadline); one that moves it earlier replaces it,
-  and the heap is rebuilt from the holds when stale entries outnumber current ones.
+* The heap of deadlines holds at most ``2 x live holds + STALE_SLACK`` entries, whatever peers send
+  (lifecycle/deadline_heap.py says how).
 * A claim may carry D's deadline (``deadline_ms``, D's wall clock): one that arrives ``clock_skew`` or more
   after it is refused, and no lease runs past it + ``clock_skew`` (a claim delivered late, held in a kernel
   buffer while D's link was down, pins the blocks only until D has given up, not for a whole ``lease_timeout``).
@@ -43,7 +40,8 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
   that only knows the request, hold and reader names cannot drop a live lease (P would free blocks a reader is
   still reading). A second claim by a reader whose lease is live is refused: re-issuing the token would hand it
   to whoever asked.
-* Early releases live in a small table for ``early_release_ttl``; a hold beyond ``max_holds`` is still kept (vLLM
+* Early releases and abandons live in a small table for ``early_release_ttl``, and ended holds in a bounded one
+  (lifecycle/hold_memory.py); a hold beyond ``max_holds`` is still kept (vLLM
   already delayed its free) but reported; a hold has at most ``MAX_TP_SIZE`` distinct readers; peer ids longer
   than ``MAX_ID_LENGTH`` (readers: a little more) are refused. Every refusal is counted in
   :attr:`ProducerLedger.counters` and reported as a :class:`LedgerEvent` whose ``reason`` names the counter.
@@ -54,28 +52,26 @@ Bounds (the side channel is not authenticated, so every peer is a possible attac
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import secrets
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from vllm_kvp2p.lifecycle import release_answers as answers
-from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Key, Lease
+from vllm_kvp2p.lifecycle.deadline_heap import STALE_SLACK as STALE_SLACK  # re-exported (its bound, tests)
+from vllm_kvp2p.lifecycle.deadline_heap import DeadlineHeap
+from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Lease
+from vllm_kvp2p.lifecycle.hold_memory import EarlyReleases, Tombstones
+from vllm_kvp2p.lifecycle.live_holds import LiveHolds
 from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
 from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, AbandonOutcome, ClaimReply, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
-
-T = TypeVar("T")
 
 MAX_HOLDS = 65536
 MAX_EARLY_RELEASES = 4096
 EARLY_RELEASE_TTL = 10.0  # seconds; D releases a hold it had nothing to read from within one P engine step
 MAX_READER_LENGTH = MAX_ID_LENGTH + 8  # "<D engine id>:<D tp rank>"
 CLOCK_SKEW = 30.0  # seconds P's and D's wall clocks may disagree (the clock_skew setting)
-STALE_SLACK = 64  # stale heap entries allowed beyond one per live hold before the heap is rebuilt
 
 
 @dataclass(frozen=True)
@@ -85,16 +81,6 @@ class LedgerEvent:
     request_id: str
     what: str
     reason: str = ""  # the counter a refusal or a bound hit was counted under ("": an ordinary event)
-
-
-@dataclass(frozen=True)
-class _EarlyRelease:
-    """What arrived for a hold before P heard of it: readers' releases, or an abandon (the mac it carried)."""
-
-    readers: frozenset[str]
-    expected_readers: int
-    until: float
-    abandon_mac: str | None = None  # an abandon came first (None: none did)
 
 
 class ProducerLedger:
@@ -118,44 +104,44 @@ class ProducerLedger:
         self.lease_timeout = lease_timeout
         self.clock_skew = clock_skew
         self.max_holds = max_holds
-        self.max_early_releases = max_early_releases
-        self.early_release_ttl = min(early_release_ttl, hold_timeout)
         self._token_factory = token_factory
-        self._holds: dict[Key, Hold] = {}
-        self._live_ids: dict[str, set[str]] = {}  # request id -> hold ids of its live holds
-        # (deadline, sequence, hold): each live hold's current entry (its ``due``), and stale ones (the hold is gone,
-        # or its deadline moved earlier), skipped when they come up and rebuilt away when they are many.
-        self._deadlines: list[tuple[float, int, Key]] = []
-        self._sequence = itertools.count()
-        # Releases of holds P has not heard of yet, oldest (soonest to expire) first.
-        self._early: dict[Key, _EarlyRelease] = {}
-        # Final states of recent holds, so a late claim is refused with the real reason.
-        self._tombstones: OrderedDict[Key, HoldState] = OrderedDict()
-        self._confirmed: dict[Key, frozenset[str]] = {}  # of tombstoned holds: for a release sent twice
-        self._tombstone_limit = tombstones
+        self._holds = LiveHolds()
+        self._deadlines = DeadlineHeap(self._holds)  # when to look at each live hold next
+        # Releases and abandons of holds P has not heard of yet; how recent holds ended.
+        self._early = EarlyReleases(max_early_releases, min(early_release_ttl, hold_timeout))
+        self._tombstones = Tombstones(tombstones)
         # The answer each reader's first release got, for that release resent (answer_release).
         self.kept_answers = answers.KeptAnswers(max_kept_answers, max_kept_answer_bytes)
         self._freed: list[str] = []
-        # Live holds by their number of readers: table_sizes' readers_per_hold in O(distinct counts), not O(holds)
-        # (the metrics read the tables every engine step).
-        self._reader_counts: Counter[int] = Counter()
         self.events: list[LedgerEvent] = []
         self.counters: Counter[str] = Counter()
         # Holds created, released and expired, claims refused: for the metrics (taken and reset by the caller).
         self.tally: Counter[str] = Counter()
-        self.blocks_held = 0  # of live holds, as vLLM counted them when it kept the blocks
 
     # ------------------------------------------------------------------ queries
 
     def state(self, request_id: str, hold_id: str | None = None) -> HoldState | None:
         """The state of the hold (its newest, when ``hold_id`` is not given; for tests and logs)."""
         if hold_id is None:
-            live = self._live_ids.get(request_id)
+            live = self._holds.hold_ids_of(request_id)
             if live:
                 return self._holds[(request_id, next(iter(live)))].state
-            return next((st for (rid, _), st in reversed(self._tombstones.items()) if rid == request_id), None)
+            return next((stone.state for stone in self._tombstones.newest_of(request_id)), None)
         hold = self._holds.get((request_id, hold_id))
-        return hold.state if hold is not None else self._tombstones.get((request_id, hold_id))
+        if hold is not None:
+            return hold.state
+        stone = self._tombstones.get((request_id, hold_id))
+        return stone.state if stone is not None else None
+
+    @property
+    def early_release_ttl(self) -> float:
+        """Seconds a release or abandon that came before its hold is kept (never more than ``hold_timeout``)."""
+        return self._early.ttl
+
+    @property
+    def blocks_held(self) -> int:
+        """Of the live holds, as vLLM counted them when it kept the blocks."""
+        return self._holds.blocks
 
     @property
     def active(self) -> int:
@@ -163,7 +149,7 @@ class ProducerLedger:
 
     def oldest_hold_age(self, now: float) -> float:
         """Seconds since the oldest live hold was created (holds are kept in creation order), 0 without any."""
-        oldest = next(iter(self._holds.values()), None)
+        oldest = self._holds.oldest()
         return max(0.0, now - oldest.created) if oldest is not None else 0.0
 
     def table_sizes(self) -> dict[str, int]:
@@ -174,7 +160,7 @@ class ProducerLedger:
             "tombstones": len(self._tombstones),
             "freed": len(self._freed),
             "deadlines": len(self._deadlines),
-            "readers_per_hold": max((n for n, holds in self._reader_counts.items() if holds), default=0),
+            "readers_per_hold": self._holds.readers_per_hold,
             "kept_answers": len(self.kept_answers),
         }
 
@@ -188,7 +174,7 @@ class ProducerLedger:
         if key in self._holds or key in self._tombstones:
             self._event(request_id, "duplicate hold ignored (the same hold announced twice)")
             return
-        if self._live_ids.get(request_id):
+        if self._holds.hold_ids_of(request_id):
             self._event(request_id, "a second live hold for this request id (kept apart by its hold id)")
         if len(self._holds) >= self.max_holds:
             # vLLM already kept the blocks: dropping the hold would leak them. Keep it, say so.
@@ -196,16 +182,13 @@ class ProducerLedger:
                          f"{self.max_holds} (kept: vLLM already delayed the free)")
         hold = Hold(request_id, hold_id, now + self.hold_timeout, now + self.hold_timeout + self.lease_timeout,
                      created=now, num_blocks=max(0, num_blocks), blocks=blocks, mac=mac)
-        self._holds[key] = hold
-        self._reader_counts[0] += 1
+        self._holds.add(hold)
         self.tally["created"] += 1
-        self.blocks_held += hold.num_blocks
-        self._live_ids.setdefault(request_id, set()).add(hold_id)
-        self._due_by(hold, hold.hold_deadline)
-        early = self._early.pop(key, None)
+        self._deadlines.due_by(hold, hold.hold_deadline)
+        early = self._early.pop(key)
         if early is not None and early.readers:
             hold.expected_readers = early.expected_readers
-            self._recount(hold, lambda: hold.released_by.update(early.readers))
+            self._holds.recount(hold, lambda: hold.released_by.update(early.readers))
             self._maybe_release(hold, "released before the hold arrived")
         elif early is not None and early.abandon_mac is not None:
             self._apply_abandon(hold, early.abandon_mac, "before the hold arrived")
@@ -232,9 +215,9 @@ class ProducerLedger:
         if hold is None:
             final = self._tombstones.get((request_id, hold_id))
             if final is not None:
-                self._event(request_id, f"claim by {reader} refused: hold already {final.value}")
-                return ClaimReply(ClaimStatus.REFUSED, reason=f"blocks already {final.value}")
-            if self._live_ids.get(request_id):
+                self._event(request_id, f"claim by {reader} refused: hold already {final.state.value}")
+                return ClaimReply(ClaimStatus.REFUSED, reason=f"blocks already {final.state.value}")
+            if self._holds.hold_ids_of(request_id):
                 self._event(request_id, f"claim by {reader} refused: stale hold id")
                 return ClaimReply(ClaimStatus.REFUSED, reason="hold id does not match (stale transfer params)")
             return ClaimReply(ClaimStatus.UNKNOWN, reason="no such hold (yet)")
@@ -269,8 +252,8 @@ class ProducerLedger:
             return ClaimReply(ClaimStatus.REFUSED, reason="blocks pinned as long as allowed")
         hold.expected_readers = max(hold.expected_readers, self._readers(request_id, expected_readers))
         lease = Lease(until, cap, self._token_factory(), claim_id[:MAX_ID_LENGTH])
-        self._recount(hold, lambda: hold.grant(reader, lease))
-        self._due_by(hold, until)
+        self._holds.recount(hold, lambda: hold.grant(reader, lease))
+        self._deadlines.due_by(hold, until)
         return ClaimReply(ClaimStatus.GRANTED, lease=until - now, lease_token=lease.token)
 
     def renew(self, request_id: str, hold_id: str, reader: str, now: float, lease_token: str = "") -> ClaimReply:
@@ -314,8 +297,8 @@ class ProducerLedger:
             return self._apply_abandon(hold, mac, "")
         final = self._tombstones.get(key)
         if final is not None:
-            return AbandonOutcome.ENDED, f"hold already {final.value}"
-        if self._live_ids.get(request_id):
+            return AbandonOutcome.ENDED, f"hold already {final.state.value}"
+        if self._holds.hold_ids_of(request_id):
             self._refuse(request_id, "abandon_refused", "abandon refused: stale hold id")
             return AbandonOutcome.REFUSED, "hold id does not match (stale transfer params)"
         prev = self._early.get(key)
@@ -325,8 +308,7 @@ class ProducerLedger:
             return AbandonOutcome.UNKNOWN, "P has not heard of the hold yet: send the abandon again"
         if prev is None and not self._early_room(request_id, "abandon", now):
             return AbandonOutcome.REFUSED, "too many early releases waiting"
-        self._early.pop(key, None)  # re-inserted at the end: the table stays ordered by expiry
-        self._early[key] = _EarlyRelease(frozenset(), 1, now + self.early_release_ttl, abandon_mac=mac)
+        self._early.put(key, frozenset(), 1, now, abandon_mac=mac)
         return AbandonOutcome.REMEMBERED, "P has not heard of the hold yet: freed when it arrives"
 
     def _apply_abandon(self, hold: Hold, mac: str, when: str) -> tuple[AbandonOutcome, str]:
@@ -359,29 +341,16 @@ class ProducerLedger:
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
         pulled: bool = False, *, question: bytes = b"", sums: bytes | None = None,
     ) -> ReleaseAnswer:
-        """:meth:`release`, and the answer to the release's integrity question. ``question``: what identifies the
-        release that asks one (the adapter's fingerprint of the whole release, its lease token included; b"": none
-        asked); ``sums``: the adapter's answer, computed while the reader's lease was live (None: not answered).
-
-        The release that ends the reader's live lease is answered ``sums`` if the read is confirmed, and that answer
-        is kept, bounded, for the same release sent again: D resends a release it got no answer to on a fresh socket
-        (the first time after 0.5 s), so the first answer may be lost, or arrive on a socket D gave up, exactly when
-        P is slow to sum. The copy, which finds no lease (the first ended it), gets the kept answer; if it is no
-        longer kept, ``sums_lost`` (D counts that pull apart from one P answered no sums for). Any other release
-        (another question, or one that ends no lease) is answered no sums."""
+        """:meth:`release`, and the answer to the release's integrity question
+        (:meth:`~vllm_kvp2p.lifecycle.release_answers.KeptAnswers.answer`). ``question``: what identifies the release
+        that asks one (the adapter's fingerprint of the whole release, its lease token included; b"": none asked);
+        ``sums``: the adapter's answer, computed while the reader's lease was live (None: not answered)."""
         hold = self._holds.get((request_id, hold_id))
         ends_lease = hold is not None and reader in hold.leases
         held = self.release(request_id, hold_id, reader, expected_readers, now, lease_token, pulled)
-        if not (held and pulled and question):
-            return ReleaseAnswer(held)
-        key = (request_id, hold_id, reader)
-        if ends_lease:
-            self.kept_answers.keep(key, answers.KeptAnswer(question, sums))
-            return ReleaseAnswer(held, sums)
-        kept = self.kept_answers.get(key)  # P confirmed this reader's read before: this is its release again
-        if kept is None:
-            return ReleaseAnswer(held, sums_lost=True)
-        return ReleaseAnswer(held, kept.sums if kept.question == question else None)
+        # A reader that did not pull asked nothing P can answer.
+        return self.kept_answers.answer((request_id, hold_id, reader), held, ends_lease, question if pulled else b"",
+                                        sums)
 
     def release(
         self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float, lease_token: str = "",
@@ -399,10 +368,10 @@ class ProducerLedger:
         if hold is None:
             final = self._tombstones.get(key)
             if final is not None:
-                confirmed = reader in self._confirmed.get(key, ())  # the same release again (its reply was lost)
-                self._event(request_id, f"release by {reader} ignored: hold already {final.value}")
+                confirmed = reader in final.confirmed  # the same release again (its reply was lost)
+                self._event(request_id, f"release by {reader} ignored: hold already {final.state.value}")
                 return confirmed or not pulled
-            if self._live_ids.get(request_id):
+            if self._holds.hold_ids_of(request_id):
                 self._event(request_id, f"release by {reader} ignored: stale hold id")
                 return not pulled
             self._remember_early(request_id, hold_id, reader, expected_readers, now)
@@ -416,10 +385,10 @@ class ProducerLedger:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             return False
         hold.expected_readers = max(hold.expected_readers, expected_readers)
-        held = self._recount(hold, lambda: hold.release_reader(reader, now, pulled))
+        held = self._holds.recount(hold, lambda: hold.release_reader(reader, now, pulled))
         self._maybe_release(hold, "released by all readers")
         if not hold.state.final and not hold.leases:
-            self._due_by(hold, hold.hold_deadline)  # its hold deadline may have passed under a lease
+            self._deadlines.due_by(hold, hold.hold_deadline)  # its hold deadline may have passed under a lease
         if pulled and not held:
             self._event(request_id, f"release by {reader}: its lease had lapsed, the read is not confirmed")
         return held
@@ -429,24 +398,17 @@ class ProducerLedger:
     def expire(self, now: float) -> None:
         """Free holds nobody claimed in time, claims nobody renewed in time, and holds at their hard deadline. Costs
         what is due: holds whose deadlines have not come are not looked at."""
-        due: list[Hold] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            when, sequence, key = heapq.heappop(self._deadlines)
-            hold = self._holds.get(key)
-            if hold is not None and hold.due == (when, sequence):  # its current entry, not a stale one
-                hold.due = None
-                due.append(hold)
-        for hold in due:
+        for hold in self._deadlines.pop_due(now):
             if hold.next_deadline() <= now:  # else renewed since it was filed: filed again below
                 self._expire_one(hold, now)
             if not hold.state.final:
-                self._due_by(hold, hold.next_deadline())
-        self._drop_expired_early(now)
+                self._deadlines.due_by(hold, hold.next_deadline())
+        self._early.drop_expired(now)
 
     def _expire_one(self, hold: Hold, now: float) -> None:
         # Leases are granted only up to the hard deadline, so at it all lapse; say why.
         capped = hold.pin_deadline <= now and any(lease.until >= hold.pin_deadline for lease in hold.leases.values())
-        lapsed = self._recount(hold, lambda: hold.lapse(now))
+        lapsed = self._holds.recount(hold, lambda: hold.lapse(now))
         if capped:
             self.counters["hold_capped"] += 1
             self._finish(hold, HoldState.EXPIRED, "pinned for hold_timeout + lease_timeout = "
@@ -481,33 +443,23 @@ class ProducerLedger:
 
     def _remember_early(self, request_id: str, hold_id: str, reader: str, expected_readers: int, now: float) -> None:
         key = (request_id, hold_id)
-        prev = self._early.pop(key, None)
+        prev = self._early.pop(key)
         if prev is None and not self._early_room(request_id, f"release by {reader}", now):
             return
         readers = (prev.readers if prev else frozenset()) | {reader}
         if len(readers) > MAX_TP_SIZE and prev is not None:
             self._refuse(request_id, "readers_per_hold_full", f"release by {reader} ignored: {MAX_TP_SIZE} readers")
             readers = prev.readers
-        # Re-inserted at the end: the table stays ordered by expiry.
-        self._early[key] = _EarlyRelease(readers, expected_readers, now + self.early_release_ttl)
+        self._early.put(key, readers, expected_readers, now)
 
     def _early_room(self, request_id: str, what: str, now: float) -> bool:
         """Whether one more early entry fits (expired ones dropped first); if not, counted and said."""
-        if len(self._early) >= self.max_early_releases:
-            self._drop_expired_early(now)
-        if len(self._early) < self.max_early_releases:
+        if self._early.has_room(now):
             return True
         self._refuse(request_id, "early_release_table_full", f"{what} before the hold not kept: "
-                     f"{self.max_early_releases} early releases already waiting (the hold then waits for "
+                     f"{self._early.max_entries} early releases already waiting (the hold then waits for "
                      "hold_timeout)")
         return False
-
-    def _drop_expired_early(self, now: float) -> None:
-        while self._early:  # ordered by expiry, oldest first
-            oldest = next(iter(self._early))
-            if self._early[oldest].until > now:
-                break
-            del self._early[oldest]
 
     def _readers(self, request_id: str, expected_readers: int) -> int:
         if expected_readers > MAX_TP_SIZE:
@@ -527,50 +479,12 @@ class ProducerLedger:
         if hold.all_released:
             self._finish(hold, HoldState.RELEASED, why)
 
-    def _due_by(self, hold: Hold, when: float) -> None:
-        """Make the hold's one heap entry come up no later than ``when``. A later deadline moves nothing: the entry
-        comes up early and :meth:`expire` files the hold again; an earlier one replaces it (the old one is stale)."""
-        if hold.due is not None and hold.due[0] <= when:
-            return
-        hold.due = (when, next(self._sequence))
-        heapq.heappush(self._deadlines, (*hold.due, hold.key))
-        self._drop_stale_entries()
-
-    def _drop_stale_entries(self) -> None:
-        # Rebuilt when stale entries outnumber current ones (+ STALE_SLACK): O(live holds), paid for by the at least
-        # as many messages that made entries stale, and the heap never exceeds 2 x live holds + STALE_SLACK.
-        if len(self._deadlines) > 2 * len(self._holds) + STALE_SLACK:
-            self._deadlines = [(*hold.due, key) for key, hold in self._holds.items() if hold.due is not None]
-            heapq.heapify(self._deadlines)
-
-    def _recount(self, hold: Hold, change: Callable[[], T]) -> T:
-        """Run ``change`` (which may change the hold's readers), keeping ``_reader_counts`` right."""
-        before = hold.num_readers
-        result = change()
-        if hold.num_readers != before:
-            self._reader_counts[before] -= 1
-            self._reader_counts[hold.num_readers] += 1
-        return result
-
     def _finish(self, hold: Hold, state: HoldState, why: str, reason: str = "") -> None:
-        key = hold.key
-        del self._holds[key]
-        self._reader_counts[hold.num_readers] -= 1
-        hold.due = None  # its entry, if it has one, is stale now
-        self._drop_stale_entries()
-        live = self._live_ids[hold.request_id]
-        live.discard(hold.hold_id)
-        if not live:
-            del self._live_ids[hold.request_id]
+        self._holds.remove(hold)
+        self._deadlines.forget(hold)
         hold.state = state
         self.tally[state.value] += 1
-        self.blocks_held -= hold.num_blocks
-        self._tombstones[key] = state
-        if hold.confirmed:
-            self._confirmed[key] = frozenset(hold.confirmed)
-        while len(self._tombstones) > self._tombstone_limit:
-            forgotten, _ = self._tombstones.popitem(last=False)
-            self._confirmed.pop(forgotten, None)
+        self._tombstones.add(hold.key, state, frozenset(hold.confirmed))
         self._freed.append(hold.request_id)
         self._event(hold.request_id, f"{state.value}: {why}", reason)
 

@@ -3,7 +3,7 @@
 D resends a release it got no answer to on a fresh socket (the first time after 0.5 s), so P's first answer, with
 its integrity sums, may be lost, or arrive on a socket D gave up, exactly when P is slow to sum. P keeps the answer
 the release that ended a reader's lease got, keyed by (request, hold, reader), for that same release sent again
-(:meth:`~vllm_kvp2p.lifecycle.producer.ProducerLedger.answer_release` decides who gets it). Peers can make P keep
+(:meth:`KeptAnswers.answer` decides who gets it). Peers can make P keep
 answers, so the table is bounded: the latest ``max_answers``, at most ``max_bytes`` in all, oldest forgotten first.
 """
 
@@ -51,6 +51,23 @@ class KeptAnswers:
 
     def get(self, key: ReaderKey) -> KeptAnswer | None:
         return self._answers.get(key)
+
+    def answer(self, key: ReaderKey, lease_held: bool, ended_lease: bool, question: bytes,
+               sums: bytes | None) -> ReleaseAnswer:
+        """What a release that asks ``question`` (b"": none) is answered, once the ledger decided ``lease_held``.
+        The release that ended the reader's live lease (``ended_lease``) is answered ``sums`` if the read is
+        confirmed, and that answer is kept for the same release sent again. The copy, which finds no lease (the
+        first ended it), gets the kept answer; if it is no longer kept, ``sums_lost`` (D counts that pull apart from
+        one P answered no sums for). Any other release (another question, or one that ends no lease) gets no sums."""
+        if not (lease_held and question):
+            return ReleaseAnswer(lease_held)
+        if ended_lease:
+            self.keep(key, KeptAnswer(question, sums))
+            return ReleaseAnswer(lease_held, sums)
+        kept = self.get(key)  # P confirmed this reader's read before: this is its release again
+        if kept is None:
+            return ReleaseAnswer(lease_held, sums_lost=True)
+        return ReleaseAnswer(lease_held, kept.sums if kept.question == question else None)
 
     def keep(self, key: ReaderKey, answer: KeptAnswer) -> None:
         old = self._answers.pop(key, None)

@@ -201,6 +201,18 @@ class RankRegistration(msgspec.Struct, frozen=True):
     def layer_of_planes(self) -> tuple[int, ...]:
         return tuple(self.plane_layers) or layers_of_planes(len(self.planes), len(self.layer_names))
 
+    def plane_name(self, plane: int) -> str:
+        """A plane as an operator knows it: its layer, and K or V where they are separate planes (NPU)."""
+        of_plane = self.layer_of_planes()
+        if not self.layer_names or plane >= len(of_plane):
+            return f"plane {plane}"
+        layer = of_plane[plane]
+        same = [i for i, x in enumerate(of_plane) if x == layer]
+        if len(same) == 2:
+            return f"layer {self.layer_names[layer]} {'KV'[same.index(plane)]}"
+        name = self.layer_names[layer]
+        return f"layer {name}" if len(same) == 1 else f"layer {name} plane {plane}"
+
 
 def layers_of_planes(num_planes: int, num_layers: int) -> tuple[int, ...]:
     """The layer of each plane when every layer has as many planes (a registration that does not say)."""

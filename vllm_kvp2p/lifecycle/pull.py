@@ -40,7 +40,7 @@ from vllm_kvp2p.lifecycle.pull_actions import (
     Wait,
 )
 from vllm_kvp2p.lifecycle.read_plan import read_descriptors
-from vllm_kvp2p.lifecycle.stages import coverage_problem, plane_pairs
+from vllm_kvp2p.lifecycle.stages import coverage_problem, layers_read, plane_pairs
 from vllm_kvp2p.protocol import (
     MAX_ANSWER_WITHIN_MS,
     Claim,
@@ -332,7 +332,7 @@ class ConsumerPull:
         else:
             bad = judgement.first_bad
             assert bad is not None and st.registration is not None
-            where = _plane_name(st.registration, bad.plane)
+            where = st.registration.plane_name(bad.plane)
             self._failure = (f"the bytes read from P rank {st.source.p_rank} ({st.registration.segment}) differ from "
                              f"P's: {where}, P block {bad.block} (the first of {judgement.units} units compared)")
             self._kind = Failure.CORRUPTED
@@ -394,19 +394,10 @@ class ConsumerPull:
         self._phase = _Phase.RELEASE
         if self.plan.remote.pp_size == 1 and self.local.pp_size == 1:
             return  # planes paired by position, the layers checked equal (lifecycle/compatibility.py)
-        problem = coverage_problem(self.local, self._layers_read())
+        read = ((self._sources[i].source.p_rank, self._sources[i].pairs) for i in self._readable)
+        problem = coverage_problem(self.local, layers_read(self.local, self.plan.remote.tp_size, read))
         if problem:
             self._fail(f"P's layers do not fill D's: {problem}", Failure.INCOMPATIBLE)
-
-    def _layers_read(self) -> list[tuple[int, list[str]]]:
-        """Per P rank read: its TP rank and D's layers it filled."""
-        tp_size, of_plane = self.plan.remote.tp_size, self.local.layer_of_planes()
-        names = self.local.layer_names
-        if not names:  # a D that names no layers (a hand-made one) pairs planes by position only
-            return []
-        return [(self._sources[i].source.p_rank % tp_size,
-                 list(dict.fromkeys(names[of_plane[d]] for d, _ in self._sources[i].pairs)))
-                for i in self._readable]
 
     def _holds_lease(self, st: _SourceState) -> bool:
         return bool(st.lease) and not st.released
@@ -503,14 +494,3 @@ class ConsumerPull:
             unreachable_rank=self._unreachable_rank if self._kind is Failure.UNREACHABLE else None,
         )
 
-
-def _plane_name(reg: RankRegistration, plane: int) -> str:
-    """A plane as an operator knows it: its layer, and K or V where they are separate planes (NPU)."""
-    of_plane = reg.layer_of_planes()
-    if not reg.layer_names or plane >= len(of_plane):
-        return f"plane {plane}"
-    layer = of_plane[plane]
-    same = [i for i, x in enumerate(of_plane) if x == layer]
-    if len(same) == 2:
-        return f"layer {reg.layer_names[layer]} {'KV'[same.index(plane)]}"
-    return f"layer {reg.layer_names[layer]}" if len(same) == 1 else f"layer {reg.layer_names[layer]} plane {plane}"

@@ -102,6 +102,17 @@ def unknown_layers_problem(local: LocalKV, reg: RankRegistration) -> str:
             "same --speculative-config)")
 
 
+def layers_read(local: LocalKV, tp_size: int, reads: Iterable[tuple[int, Sequence[tuple[int, int]]]]
+                ) -> list[tuple[int, list[str]]]:
+    """What :func:`coverage_problem` takes, from the P ranks read: ``reads`` gives each one's rank within its
+    engine and its (D plane, P plane) pairs; per P rank read, its TP rank and D's layers it filled. A D that names
+    no layers (a hand-made one) pairs planes by position only: nothing to count."""
+    names, of_plane = local.layer_names, local.layer_of_planes()
+    if not names:
+        return []
+    return [(p_rank % tp_size, list(dict.fromkeys(names[of_plane[d]] for d, _ in pairs))) for p_rank, pairs in reads]
+
+
 def coverage_problem(local: LocalKV, layers_read: Iterable[tuple[int, Sequence[str]]]) -> str:
     """Why the layers read do not fill this D rank ("" when they do): ``layers_read`` gives, per P rank read
     from, its TP rank and the layers paired with D's. Every P TP rank read must have given each of D's layers

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.lifecycle.integrity import IntegrityMode, NoSums, Verification, pull_mode
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification, pull_mode
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
     FetchRegistration,
@@ -40,7 +40,6 @@ from vllm_kvp2p.lifecycle.pull import (
     Source,
     Wait,
 )
-from vllm_kvp2p.lifecycle.pull_actions import FAILURE_HINTS
 from vllm_kvp2p.lifecycle.stages import sources_of
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.protocol import (
@@ -57,6 +56,7 @@ from vllm_kvp2p.protocol import (
     Request,
 )
 from vllm_kvp2p.pull_lanes import Lane, LaneTable
+from vllm_kvp2p.pull_log import PullLog
 from vllm_kvp2p.pull_suspects import Suspects, put_recent
 from vllm_kvp2p.rank_tables import RankTables
 from vllm_kvp2p.side_channel import (
@@ -78,8 +78,6 @@ logger = get_logger(__name__)
 R = TypeVar("R", bound=Reply)  # one of the reply types
 #: A side-channel round trip or Mooncake read slower than this is logged (with the action and P rank).
 SLOW_ACTION_S = 1.0
-#: Seconds between two WARNINGs of pulls left unverified because P was too busy to sum in time.
-BUSY_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -154,8 +152,7 @@ class PullLoop:
         self._clients_lock = threading.Lock()
         self._claim_seconds: dict[str, float] = {}  # request id -> its claim's round trip, until published
         self._stopping = threading.Event()  # close(): pulls stop reading and only release
-        self._busy_warned_at = float("-inf")  # _warn_busy (pull threads: a race costs a line, no more)
-        self._busy_unwarned = 0
+        self._log = PullLog()  # what finished pulls tell the operator
         self.lanes = LaneTable(self.max_threads, self._run, f"kvp2p-pull:{tp_rank}")
 
     def submit(self, plan: PullPlan) -> None:
@@ -466,33 +463,9 @@ class PullLoop:
         return reply, "", None
 
     def _finished(self, plan: PullPlan, result: PullResult) -> None:
-        if result.reason:
-            kind = result.failure.value if result.failure is not None else "not reported"
-            hint = FAILURE_HINTS.get(result.failure) if result.failure is not None else None
-            logger.warning("pull of %s failed (%s): %s%s", result.request_id, kind, result.reason,
-                           f" [{hint}]" if hint else "")
-        else:
-            logger.debug("pull of %s done (%s): %d blocks, %d bytes%s", result.request_id, result.outcome.value,
-                         result.num_blocks, result.num_bytes,
-                         f", unverified: {result.unverified_reason}" if result.unverified else "")
-            if result.unverified and result.unverified_reason.endswith(f": {NoSums.BUSY.value}"):
-                self._warn_busy(result)
-            if result.num_blocks and self.after_pull is not None:
-                self.after_pull(plan, result)
-
-
-    def _warn_busy(self, result: PullResult) -> None:
-        """A pull unverified because P's integrity sums were too busy to answer within D's budget: a WARNING at most
-        once a minute (P's question queue is full of other readers' questions, or P's sums are slow)."""
-        now = time.monotonic()
-        if now - self._busy_warned_at < BUSY_WARNING_INTERVAL_S:
-            self._busy_unwarned += 1
-            return
-        more = f" ({self._busy_unwarned} more since the last warning)" if self._busy_unwarned else ""
-        self._busy_warned_at, self._busy_unwarned = now, 0
-        logger.warning("pull of %s counts as unverified: %s (P's integrity sums could not answer within this "
-                       "release's budget, side_channel_timeout: P's question queue is busy with other readers' "
-                       "questions, or its sums are slow)%s", result.request_id, result.unverified_reason, more)
+        self._log.finished(result)
+        if not result.reason and result.num_blocks and self.after_pull is not None:
+            self.after_pull(plan, result)
 
 
 def _crash_result(plan: PullPlan, exc: Exception) -> PullResult:

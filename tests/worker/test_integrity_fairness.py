@@ -328,7 +328,7 @@ def test_p_too_slow_for_the_readers_budget_answers_at_once_and_d_counts_the_pull
     other = send_all(pair.port, [hostile_release("other", "x:0", token, GIB_QUESTION[:8])])  # 2 MiB: ~2 s
     try:
         pair.wait_for(lambda: pair.holds.table_sizes()["questions_waiting"] == 1)
-        with caplog.at_level(logging.WARNING, logger="vllm.kvp2p.pull_loop"):
+        with caplog.at_level(logging.WARNING, logger="vllm.kvp2p.pull_log"):
             result, took = pair.honest_pull()
         print(f"honest pull: {result.outcome.value} in {took:.2f} s: {result.unverified_reason or result.reason}")
         if not fair:

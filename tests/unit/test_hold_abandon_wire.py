@@ -263,7 +263,7 @@ def test_a_sealed_abandon_before_its_hold_is_remembered() -> None:
 
 
 def test_d_s_answer_reporting_its_pull_is_told_from_every_other() -> None:
-    from vllm_kvp2p.proxy.app import reports_its_pull
+    from vllm_kvp2p.proxy.hold_abandon import reports_its_pull
 
     ok = b'{"choices":[],"kv_transfer_params":{"kvp2p_pull":{"ok":true,"blocks":3,"bytes":96}}}'
     assert reports_its_pull(ok)

@@ -28,21 +28,19 @@ Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-onl
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_kvp2p.protocol import PULL_REPORT_KEY
 from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.batch_flow import run_batch
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
-from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner, authenticator_from_env
+from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner, authenticator_from_env, reports_its_pull
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
@@ -50,27 +48,20 @@ from vllm_kvp2p.proxy.upstream import (
     TRANSPORT_ERRORS,
     Answer,
     PassThrough,
+    PrefillLost,
     ProxyError,
     Relay,
     Upstream,
     UpstreamStream,
     check_status,
-    describe,
-    error_body,
+    forwarded_headers,
+    relay_events,
     upstream_failure,
     went_away,
 )
 from vllm_kvp2p.proxy.validation import Limits, lax_bool
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
-
-# Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
-FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
-
-
-def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers that go upstream as they came (:data:`FORWARDED_HEADERS`)."""
-    return {name: v for name in FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -84,25 +75,6 @@ UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 #: The prompt tokens the proxy counted as cached on P and on D: sent only with ``--cache-headers`` (an oracle over
 #: other clients' prompts: guess a prefix, read how much of it is cached).
 CACHE_HEADERS = ("X-KVP2P-Prefill-Cached-Tokens", "X-KVP2P-Decode-Cached-Tokens")
-
-#: How D's whole answer starts its pull report (vLLM renders JSON compact; the connector's report puts ``ok`` first):
-#: found, D's connector claimed or released the hold. Not found (another layout, a follower of n > 1, a failed
-#: pull), the proxy abandons the hold, which frees it only if no reader touched it.
-_PULL_OK = b'"' + PULL_REPORT_KEY.encode() + b'":{"ok":true'
-
-
-def reports_its_pull(body: bytes) -> bool:
-    """Whether D's answer says its pull went well (a search of the bytes: the answer is not parsed on the loop)."""
-    return _PULL_OK in body
-
-
-class PrefillLost(ProxyError):
-    """P went away before answering (:func:`~vllm_kvp2p.proxy.upstream.went_away`): the prefill can be retried."""
-
-    def __init__(self, err: ProxyError, cause: BaseException) -> None:
-        super().__init__(err.status, err.message, err.err_type)
-        #: The transport error, e.g. ``ClientConnectorError: Cannot connect to host ...``.
-        self.cause = describe(cause)
 
 
 class PDProxy:
@@ -519,24 +491,6 @@ class PDProxy:
             stream.status,
             stream.content_type or "text/event-stream",
             {**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            self._relay(stream, url, rid),
+            relay_events(stream, url, rid, self.timeout_s),
             close,
         )
-
-    async def _relay(self, stream: UpstreamStream, url: str, rid: str) -> AsyncIterator[bytes]:
-        """Yield D's bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event. (The
-        stream is closed by the :class:`Relay`'s ``close``, which its sender calls however the relay ends.)"""
-        tail = b""
-        try:
-            async for chunk in stream.chunks():
-                if chunk:
-                    tail = (tail + chunk)[-2:]
-                    yield chunk
-        except Exception as exc:  # noqa: BLE001 - any failure must still end the stream cleanly
-            err = upstream_failure("decode", url, exc, self.timeout_s)
-            message = f"stream interrupted: {err.message}"
-            logger.warning("request %s: %s", rid, message)
-            # Terminate a half-sent event first so the error event parses on its own.
-            sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-            payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
-            yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"

@@ -8,8 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from vllm_kvp2p.proxy.app import forwarded_headers
-from vllm_kvp2p.proxy.upstream import TRANSPORT_ERRORS, Answer, PassThrough, ProxyError, check_status, upstream_failure
+from vllm_kvp2p.proxy.upstream import (
+    TRANSPORT_ERRORS,
+    Answer,
+    PassThrough,
+    ProxyError,
+    check_status,
+    forwarded_headers,
+    upstream_failure,
+)
 
 if TYPE_CHECKING:
     from vllm_kvp2p.proxy.app import PDProxy

@@ -40,7 +40,16 @@ from typing import Any
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import secret_from_environment
 from vllm_kvp2p.lifecycle.rank_table import Endpoint, endpoints_of, entry_only, table_problem
-from vllm_kvp2p.protocol import ANY_PORT, Abandon, Abandoned, AbandonOutcome, GetRankTable, RankTable, RemotePrefill
+from vllm_kvp2p.protocol import (
+    ANY_PORT,
+    PULL_REPORT_KEY,
+    Abandon,
+    Abandoned,
+    AbandonOutcome,
+    GetRankTable,
+    RankTable,
+    RemotePrefill,
+)
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
@@ -61,6 +70,17 @@ WARNING_INTERVAL_S = 60.0
 #: The outcomes counted: P's answers (protocol.AbandonOutcome, per P rank) and the proxy's own (per hold, but
 #: ``failed`` and ``skipped``, per rank).
 OUTCOMES = (*(o.value for o in AbandonOutcome), "failed", "skipped", "dropped", "invalid")
+
+
+#: How D's whole answer starts its pull report (vLLM renders JSON compact; the connector's report puts ``ok`` first):
+#: found, D's connector claimed or released the hold. Not found (another layout, a follower of n > 1, a failed
+#: pull), the proxy abandons the hold, which frees it only if no reader touched it.
+_PULL_OK = b'"' + PULL_REPORT_KEY.encode() + b'":{"ok":true'
+
+
+def reports_its_pull(body: bytes) -> bool:
+    """Whether D's answer says its pull went well (a search of the bytes: the answer is not parsed on the loop)."""
+    return _PULL_OK in body
 
 
 def authenticator_from_env(env: Mapping[str, str] = os.environ) -> Authenticator | None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+
+logger = logging.getLogger("vllm_kvp2p.proxy")
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as deadline_after
@@ -107,12 +110,30 @@ class ProxyError(Exception):
         return Answer.of_json(self.body(), self.status, headers)
 
 
+class PrefillLost(ProxyError):
+    """P went away before answering (:func:`went_away`): the prefill can be retried."""
+
+    def __init__(self, err: ProxyError, cause: BaseException) -> None:
+        super().__init__(err.status, err.message, err.err_type)
+        #: The transport error, e.g. ``ClientConnectorError: Cannot connect to host ...``.
+        self.cause = describe(cause)
+
+
 class PassThrough(Exception):
     """An upstream 4xx: the client's fault (e.g. prompt too long), so its answer goes back unchanged."""
 
     def __init__(self, answer: Answer) -> None:
         super().__init__(f"upstream answered {answer.status}")
         self.answer = answer
+
+
+#: Client headers worth forwarding upstream (vLLM's --api-key checks Authorization).
+FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
+
+
+def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers that go upstream as they came (:data:`FORWARDED_HEADERS`)."""
+    return {name: v for name in FORWARDED_HEADERS if (v := client_headers.get(name)) is not None}
 
 
 def describe(exc: BaseException) -> str:
@@ -224,3 +245,22 @@ def _payload(body: Any, headers: Mapping[str, str] | None) -> dict[str, Any]:
         return {"headers": headers}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return {"data": data, "headers": {**(headers or {}), "Content-Type": "application/json"}}
+
+
+async def relay_events(stream: UpstreamStream, url: str, rid: str, timeout_s: float) -> AsyncIterator[bytes]:
+    """Yield D's SSE bytes unchanged; if D fails mid-stream, end with one ``data: {"error": ...}`` event. (The
+    stream is closed by the :class:`Relay`'s ``close``, which its sender calls however the relay ends.)"""
+    tail = b""
+    try:
+        async for chunk in stream.chunks():
+            if chunk:
+                tail = (tail + chunk)[-2:]
+                yield chunk
+    except Exception as exc:  # noqa: BLE001 - any failure must still end the stream cleanly
+        err = upstream_failure("decode", url, exc, timeout_s)
+        message = f"stream interrupted: {err.message}"
+        logger.warning("request %s: %s", rid, message)
+        # Terminate a half-sent event first so the error event parses on its own.
+        sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        payload = json.dumps(error_body(message, err.err_type, err.status)["error"])
+        yield sep + b'data: {"error": ' + payload.encode() + b"}\n\n"

@@ -39,17 +39,17 @@ from typing import Any
 
 from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import secret_from_environment
-from vllm_kvp2p.lifecycle.rank_table import Endpoint, endpoints_of, entry_only, table_problem
+from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.rank_table import Endpoint
 from vllm_kvp2p.protocol import (
     ANY_PORT,
     PULL_REPORT_KEY,
     Abandon,
     Abandoned,
     AbandonOutcome,
-    GetRankTable,
-    RankTable,
     RemotePrefill,
 )
+from vllm_kvp2p.rank_tables import RankTables, Unavailable
 from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
@@ -58,8 +58,8 @@ logger = logging.getLogger("vllm_kvp2p.proxy")
 DEFAULT_ABANDON_TIMEOUT_S = 2.0
 #: Abandons waiting to be sent: a burst of leaving clients.
 MAX_QUEUED = 4096
-#: Rank tables kept (per P entry point); a table is asked again when the params name another incarnation.
-MAX_TABLES = 256
+#: P endpoints remembered as not answering, at most.
+MAX_UNREACHABLE = 256
 #: Seconds a P endpoint that did not answer is skipped (its holds end at hold_timeout, as they would anyway).
 UNREACHABLE_FOR_S = 5.0
 #: When to ask again, after the first, a P that has not heard of the hold and did not remember an unsealed abandon.
@@ -110,11 +110,11 @@ class HoldAbandoner:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
         self._warned: dict[str, float] = {}
-        # Only the sender thread touches these: retries due later, endpoints skipped until, rank tables.
+        # Only the sender thread touches these: retries due later, endpoints skipped until.
         self._later: list[tuple[float, int, _Job]] = []
         self._order = itertools.count()
         self._unreachable: OrderedDict[Endpoint, float] = OrderedDict()
-        self._tables: OrderedDict[Endpoint, RankTable] = OrderedDict()
+        self._tables = RankTables(ANY_PORT)  # P's rank tables, as D keeps them (params come from P itself here)
         self._thread = threading.Thread(target=self._run, name="kvp2p-proxy-abandon", daemon=True)
         self._thread.start()
 
@@ -225,10 +225,10 @@ class HoldAbandoner:
                        f"{reply.reason}")
 
     def _mark_unreachable(self, endpoint: Endpoint) -> None:
-        """Skip ``endpoint`` for UNREACHABLE_FOR_S (kept in expiry order, at most MAX_TABLES endpoints)."""
+        """Skip ``endpoint`` for UNREACHABLE_FOR_S (kept in expiry order, at most MAX_UNREACHABLE endpoints)."""
         self._unreachable.pop(endpoint, None)
         self._unreachable[endpoint] = time.monotonic() + UNREACHABLE_FOR_S
-        while len(self._unreachable) > MAX_TABLES:
+        while len(self._unreachable) > MAX_UNREACHABLE:
             self._unreachable.popitem(last=False)
 
     def _skipped(self, endpoint: Endpoint, remote: RemotePrefill) -> bool:
@@ -243,38 +243,19 @@ class HoldAbandoner:
 
     def _endpoints(self, client: SideChannelClient, remote: RemotePrefill) -> tuple[Endpoint, ...] | None:
         """Every rank of P's engine, from its rank table for a P of more than one rank (None: not to be had)."""
-        single = entry_only(remote)
-        if single is not None:
-            return single
         entry = (remote.remote_host, remote.remote_port)
-        table = self._tables.get(entry)
-        if table is None or table_problem(table, remote, ANY_PORT):
-            self._tables.pop(entry, None)
-            if self._skipped(entry, remote):
-                return None
-            try:
-                reply = client.request(*entry, GetRankTable())
-            except SideChannelError as exc:
-                self._count("failed")
-                hint = (" (P has a shared secret: give the proxy VLLM_KVP2P_SECRET or VLLM_KVP2P_SECRET_FILE too, "
-                        "as its engines have)" if isinstance(exc, Unauthenticated) and not self.sealed else "")
-                if not isinstance(exc, Unauthenticated):
-                    self._mark_unreachable(entry)
-                self._warn("table", f"P's entry point {entry[0]}:{entry[1]} gave no rank table for the abandon of "
-                           f"{remote.remote_request_id}: {exc}{hint}")
-                return None
-            problem = (table_problem(reply, remote, ANY_PORT) if isinstance(reply, RankTable)
-                       else f"it answered {type(reply).__name__}")
-            if problem:
-                self._count("failed")
-                self._warn("table", f"P's entry point {entry[0]}:{entry[1]}: its rank table cannot be used for the "
-                           f"abandon of {remote.remote_request_id}: {problem}")
-                return None
-            assert isinstance(reply, RankTable)
-            table = self._tables[entry] = reply
-            while len(self._tables) > MAX_TABLES:
-                self._tables.popitem(last=False)
-        return endpoints_of(table)
+        if not self._tables.has(remote) and self._skipped(entry, remote):
+            return None
+        endpoints = self._tables.endpoints(remote, client, self.timeout_s)
+        if not isinstance(endpoints, Unavailable):
+            return endpoints
+        self._count("failed")
+        if endpoints.failure is Failure.UNREACHABLE:
+            self._mark_unreachable(entry)
+        hint = (" (P has a shared secret: give the proxy VLLM_KVP2P_SECRET or VLLM_KVP2P_SECRET_FILE too, as its "
+                "engines have)" if endpoints.failure is Failure.UNAUTHENTICATED and not self.sealed else "")
+        self._warn("table", f"no rank table for the abandon of {remote.remote_request_id}: {endpoints.reason}{hint}")
+        return None
 
     def _count(self, outcome: str) -> None:
         with self._lock:

@@ -376,15 +376,16 @@ def secret_from_environment(env: Mapping[str, str]) -> tuple[bytes, float]:
     """The shared secret and ``clock_skew`` as the engines read them from the environment (``VLLM_KVP2P_SECRET`` or
     ``VLLM_KVP2P_SECRET_FILE``, ``VLLM_KVP2P_CLOCK_SKEW``), for processes without a KV-transfer config: the proxy.
     Raises :class:`ConfigError` naming the setting."""
-    secret = _load_secret(env.get(ENV_PREFIX + "SECRET"), env.get(ENV_PREFIX + "SECRET_FILE", ""))
-    skew_text = env.get(ENV_PREFIX + "CLOCK_SKEW", "30")
-    try:
-        skew = float(skew_text)
-    except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}CLOCK_SKEW={skew_text!r}: not a number of seconds") from None
-    if not skew > 0:
-        raise ConfigError(f"{ENV_PREFIX}CLOCK_SKEW={skew_text!r}: must be positive")
-    return secret, skew
+    defaults = {f.name: f.default for f in fields(KVP2PConfig)}
+
+    def read(name: str) -> Any:  # as from_sources reads it, with the setting's default
+        env_name = ENV_PREFIX + name.upper()
+        return _PARSERS[name](env[env_name], env_name) if env_name in env else defaults[name]
+
+    clock_skew = read("clock_skew")
+    if not clock_skew > 0:
+        raise ConfigError(f"clock_skew={clock_skew}: allowed values are numbers of seconds > 0")
+    return _load_secret(env.get(ENV_PREFIX + "SECRET"), read("secret_file")), clock_skew
 
 
 def _load_secret(from_env: str | None, secret_file: str) -> bytes:

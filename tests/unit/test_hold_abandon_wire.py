@@ -276,3 +276,19 @@ def test_params_of_another_connector_are_counted_not_sent(abandoner: HoldAbandon
     abandoner.abandon({"remote_engine_id": "x"})
     abandoner.abandon(None)
     assert abandoner.counts()["invalid"] == 2 and abandoner.pending == 0
+
+
+def test_the_proxy_reads_the_engines_secret_settings() -> None:
+    """VLLM_KVP2P_SECRET / _SECRET_FILE and VLLM_KVP2P_CLOCK_SKEW, read as the engines read them; a bad one is a
+    ConfigError naming it (the proxy does not start), none is no sealing."""
+    from vllm_kvp2p.config import ConfigError
+    from vllm_kvp2p.proxy.hold_abandon import authenticator_from_env
+
+    assert authenticator_from_env({}) is None
+    assert isinstance(authenticator_from_env({"VLLM_KVP2P_SECRET": SECRET.decode()}), Authenticator)
+    for bad, named in (({"VLLM_KVP2P_SECRET": "short"}, "VLLM_KVP2P_SECRET"),
+                       ({"VLLM_KVP2P_SECRET": SECRET.decode(), "VLLM_KVP2P_CLOCK_SKEW": "0"}, "clock_skew"),
+                       ({"VLLM_KVP2P_CLOCK_SKEW": "soon"}, "VLLM_KVP2P_CLOCK_SKEW"),
+                       ({"VLLM_KVP2P_SECRET_FILE": "/nonexistent/kvp2p.secret"}, "secret_file")):
+        with pytest.raises(ConfigError, match=named):
+            authenticator_from_env(bad)

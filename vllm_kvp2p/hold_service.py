@@ -45,7 +45,7 @@ from vllm_kvp2p.lifecycle.producer import (
     ProducerLedger,
 )
 from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice, unit_bytes
-from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.log import WarningPace, get_logger
 from vllm_kvp2p.os_threads import run_named
 from vllm_kvp2p.protocol import (
     Abandon,
@@ -136,8 +136,7 @@ class HoldService:
             early_release_ttl=early_release_ttl, clock_skew=clock_skew,
         )
         self._clock = clock
-        self._warned_at: dict[str, float] = {}  # reason -> when it was last logged
-        self._unlogged: dict[str, int] = {}  # reason -> events since then not logged
+        self._pace = WarningPace(WARNING_INTERVAL)  # a WARNING a minute per reason (peers cause them at will)
         self._lock = threading.Lock()
         self._held_over: list[str] = []  # freed ids reported again at the next take_freed (see there)
         self._dropped_reported: Counter[str] = Counter()  # side-channel drops already in the metrics
@@ -403,12 +402,9 @@ class HoldService:
             if not event.reason:  # the normal course of a hold: DEBUG, one line per event (never INFO per request)
                 logger.debug("KV hold %s: %s", event.request_id, event.what)
                 continue
-            last = self._warned_at.get(event.reason)
-            if last is not None and now - last < WARNING_INTERVAL:
-                self._unlogged[event.reason] = self._unlogged.get(event.reason, 0) + 1
+            unlogged = self._pace.allow(event.reason, now)
+            if unlogged is None:
                 continue
-            self._warned_at[event.reason] = now
-            unlogged = self._unlogged.pop(event.reason, 0)
             more = f" ({unlogged} more since the last warning)" if unlogged else ""
             logger.warning("KV hold %s: %s [%s: %d so far]%s", event.request_id, event.what, event.reason,
                            self.ledger.counters[event.reason], more)

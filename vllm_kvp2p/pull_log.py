@@ -9,7 +9,7 @@ import time
 
 from vllm_kvp2p.lifecycle.integrity import NoSums
 from vllm_kvp2p.lifecycle.pull_actions import FAILURE_HINTS, PullResult
-from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.log import WarningPace, get_logger
 
 logger = get_logger(__name__)
 
@@ -21,8 +21,7 @@ class PullLog:
     """The log lines of one D rank's finished pulls (pull threads share it: a race costs a line, no more)."""
 
     def __init__(self) -> None:
-        self._busy_warned_at = float("-inf")
-        self._busy_unwarned = 0
+        self._pace = WarningPace(BUSY_WARNING_INTERVAL_S)
 
     def finished(self, result: PullResult) -> None:
         if result.reason:
@@ -38,12 +37,10 @@ class PullLog:
             self._warn_busy(result)
 
     def _warn_busy(self, result: PullResult) -> None:
-        now = time.monotonic()
-        if now - self._busy_warned_at < BUSY_WARNING_INTERVAL_S:
-            self._busy_unwarned += 1
+        unwarned = self._pace.allow("busy", time.monotonic())
+        if unwarned is None:
             return
-        more = f" ({self._busy_unwarned} more since the last warning)" if self._busy_unwarned else ""
-        self._busy_warned_at, self._busy_unwarned = now, 0
+        more = f" ({unwarned} more since the last warning)" if unwarned else ""
         logger.warning("pull of %s counts as unverified: %s (P's integrity sums could not answer within this "
                        "release's budget, side_channel_timeout: P's question queue is busy with other readers' "
                        "questions, or its sums are slow)%s", result.request_id, result.unverified_reason, more)

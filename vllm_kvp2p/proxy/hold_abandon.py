@@ -41,6 +41,7 @@ from vllm_kvp2p.auth import Authenticator
 from vllm_kvp2p.config import secret_from_environment
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.rank_table import Endpoint
+from vllm_kvp2p.log import WarningPace
 from vllm_kvp2p.protocol import (
     ANY_PORT,
     PULL_REPORT_KEY,
@@ -109,7 +110,7 @@ class HoldAbandoner:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
-        self._warned: dict[str, float] = {}
+        self._pace = WarningPace(WARNING_INTERVAL_S)  # a WARNING a minute per kind
         # Only the sender thread touches these: retries due later, endpoints skipped until.
         self._later: list[tuple[float, int, _Job]] = []
         self._order = itertools.count()
@@ -262,10 +263,7 @@ class HoldAbandoner:
             self._counts[outcome] += 1
 
     def _warn(self, kind: str, text: str) -> None:
-        now = time.monotonic()
         with self._lock:
-            last = self._warned.get(kind)
-            if last is not None and now - last < WARNING_INTERVAL_S:
+            if self._pace.allow(kind, time.monotonic()) is None:
                 return
-            self._warned[kind] = now
         logger.warning("%s", text)

@@ -94,6 +94,13 @@ async def joined_feed(pub: zmq.Socket, pool: InstancePool, inst: Any
     return actx, feed, task
 
 
+async def stop_feed(actx: zmq.asyncio.Context, task: asyncio.Task[None]) -> None:
+    """Stop a feed :func:`joined_feed` started, and its context."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    actx.destroy(linger=0)
+
+
 async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -173,9 +180,7 @@ def test_a_flood_of_big_batches_does_not_stall_the_event_loop() -> None:
         await wait_until(lambda: inst.cache.last_seq == FLOOD, 120, "the flood's last batch never applied")
         took = time.monotonic() - started
         await ticker.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        actx.destroy(linger=0)
+        await stop_feed(actx, task)
         print(f"flood of {FLOOD} x {len(payloads[0]) >> 10} KiB: {feed.messages} decoded in {took:.2f} s, "
               f"loop's longest stall {ticker.max_gap * 1000:.0f} ms")
         assert feed.messages >= 2
@@ -227,9 +232,7 @@ def test_a_replay_is_applied_as_it_arrives_and_keeps_the_loop_running() -> None:
         await asyncio.to_thread(server.join)
         assert inst.cache.gaps == 1 and inst.cache.resets == 0
         assert len(inst.cache) == len(payloads) * PROMPT_TOKENS // BS  # the 4 distinct prompts' blocks
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        actx.destroy(linger=0)
+        await stop_feed(actx, task)
         print(f"replay of {gap} x {len(payloads[0]) >> 10} KiB: loop's longest stall {ticker.max_gap * 1000:.0f} "
               f"ms, allocations peaked {peak >> 20} MiB above the start")
         return ticker.max_gap, peak
@@ -342,9 +345,7 @@ def test_large_unknown_events_do_not_stall_the_event_loop() -> None:
             pub.send_multipart([b"", seq(n), payload])
         await wait_until(lambda: inst.cache.last_seq == messages, 60, "the big messages were never applied")
         await ticker.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        actx.destroy(linger=0)
+        await stop_feed(actx, task)
         print(f"{messages} unknown events of {len(payload) >> 10} KiB: loop's longest stall "
               f"{ticker.max_gap * 1000:.0f} ms")
         assert inst.cache.bad_messages == 0

@@ -42,6 +42,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from vllm_kvp2p import pairing_key
+from vllm_kvp2p.log import get_logger
+
+logger = get_logger(__name__)
+
 # Payload keys. One entry per successful pull in the first three lists (aligned); claim RTTs only where measured.
 PULL_SECONDS = "pull_seconds"
 PULL_BYTES = "pull_bytes"
@@ -388,6 +393,7 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
             documentation="Requests P's side channel did not handle, by reason.",
             labelnames=labelnames + ["reason"],
         )
+        self._pairing_info(vllm_config, labelnames)
         self._reason_children: dict[tuple[int, int], dict[str, Any]] = {}  # (metric, engine) -> reason -> child
         # Latest gauge values per engine and rank: a step's payload may carry only some ranks.
         self._gauge_ranks: dict[int, dict[str, dict[str, Any]]] = {}
@@ -397,6 +403,24 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
                 self._reason(self._failures, idx, kind)
             for reason in DROP_REASONS:
                 self._reason(self._dropped, idx, reason)
+
+    def _pairing_info(self, vllm_config: VllmConfig, labelnames: list[str]) -> None:
+        """``vllm:kvp2p_pairing_info``: what decides whether this engine can exchange KV with another
+        (vllm_kvp2p/pairing_key.py), set to 1 once, from the config vLLM builds its metrics with (after the engine
+        settled its block size), so a router reads it with a GET and no request. Not exported when the config
+        lacks what it reads: a router then knows nothing, rather than something wrong."""
+        try:
+            key = pairing_key.of_engine(vllm_config)
+        except Exception as exc:  # noqa: BLE001 - the API server must start; absent is the honest answer
+            logger.warning("%s not exported: %s: %s", pairing_key.METRIC, type(exc).__name__, exc)
+            return
+        info = self._gauge_cls(
+            name=pairing_key.METRIC, documentation="What decides whether this engine can exchange KV with another "
+            "(always 1; the values are the labels: docs/routing.md, 'Pairs that can exchange KV').",
+            multiprocess_mode="mostrecent", labelnames=labelnames + list(pairing_key.LABELS),
+        )  # fmt: skip
+        for values in self.per_engine_labelvalues.values():
+            info.labels(*values, *key.labels().values()).set(1)
 
     def _reason(self, parent: Any, engine_idx: int, reason: str) -> Any:
         """The child of a metric with one label past the engine's (a counter's ``reason``, the tables' ``table``),

@@ -817,7 +817,8 @@ def test_health_and_models(stubs: dict[str, Stub], make_proxy: Callable[..., str
     assert body["status"] == "ok"
     assert [e["url"] for e in body["prefill"]] == [stubs["P0"].url, stubs["P1"].url]
     assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "pending_tokens": 0, "served": 0,
-                               "prefix_hits": 0, "hit_tokens": 0, "state": "up", "failures": 0}]
+                               "prefix_hits": 0, "hit_tokens": 0, "queued_prefill_tokens": 0, "queued_prefills": 0,
+                               "decodes": 0, "state": "up", "failures": 0}]
     assert body["routing"] == {"policy": "prefix-aware", "prefix_weight": 1.0, "kv_events": False,
                                "index_blocks": 0, "tokenize_failures": 0, "tokenized_locally": 0,
                                "tokenized_by_p": 0, "tokenizer": None}

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.timeout(30)
 
 NOWHERE = [("tcp://127.0.0.1:9", None)]  # KV events configured (prompts read and hashed); nothing arrives
 CACHE_HEADERS = ("x-kvp2p-prefill-cached-tokens", "x-kvp2p-decode-cached-tokens")
-KEPT_HEADERS = ("x-kvp2p-prefill-instance", "x-kvp2p-decode-instance", "x-kvp2p-route-ms", "x-kvp2p-prefill-ms")
+KEPT_HEADERS = ("x-kvp2p-prefill-instance", "x-kvp2p-decode-instance", "x-kvp2p-route-ms", "x-kvp2p-prefill-ms",
+                "x-kvp2p-path")
 TOKENS = list(range(70))
 TEXT_PART = {"type": "text", "text": "what is in it?"}
 IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -217,7 +218,7 @@ def test_the_default_proxy_tells_no_client_what_is_cached(
     routes = got["batch"].json()["kv_transfer_params"]["kvp2p_routes"]  # a batch's: one per prompt, in its body
     assert [sorted(r) for r in routes] == [sorted(h.removeprefix("x-kvp2p-").replace("-", "_")
                                                   for h in KEPT_HEADERS)] * 2
-    counts = [m for m in caplog.messages if re.search(r" ms, 0 tokens cached\) -> decode \S+ \(0 cached\)", m)]
+    counts = [m for m in caplog.messages if re.search(r" ms, 0 tokens cached\) -> decode \S+ \(0 cached; ", m)]
     assert len(counts) == 7, caplog.messages  # one per prompt routed (the batch's two included)
 
 

@@ -28,20 +28,23 @@ Import-light on purpose: no vllm, no torch, so the proxy runs on a small CPU-onl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.batch_flow import run_batch
+from vllm_kvp2p.proxy.disaggregation import Mode, Objectives, ObjectivesError
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
 from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner, authenticator_from_env, reports_its_pull
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
+from vllm_kvp2p.proxy.placement import Placement, Placer, StreamTimes
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
     ERROR_BODY_SNIPPET,
@@ -74,6 +77,8 @@ DEFAULT_MAX_ORPHAN_PREFILLS = 64
 UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 #: The prompt tokens the proxy counted as cached on P and on D: sent only with ``--cache-headers`` (an oracle over
 #: other clients' prompts: guess a prefix, read how much of it is cached).
+#: A request's own latency objectives for ``--disaggregate auto`` (``ttft=300ms,tpot=15ms``, as ``--slo``).
+SLO_HEADER = "X-KVP2P-SLO"
 CACHE_HEADERS = ("X-KVP2P-Prefill-Cached-Tokens", "X-KVP2P-Decode-Cached-Tokens")
 
 
@@ -97,6 +102,7 @@ class PDProxy:
         max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
         cache_headers: bool = False,
         max_orphan_prefills: int = DEFAULT_MAX_ORPHAN_PREFILLS,
+        placer: Placer | None = None,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
@@ -127,6 +133,9 @@ class PDProxy:
         self._orphans: set[asyncio.Future[Any]] = set()
         self.max_orphan_prefills = max_orphan_prefills
         self.orphans_aborted = 0
+        #: Where each request runs (--disaggregate; placement.py): by default P/D for every request when there is
+        #: a P step, whole requests otherwise (``prefill`` is ``decode`` for --kv-both instances).
+        self.placer = placer or Placer(prefill, decode, Mode.NEVER if prefill is None else Mode.ALWAYS)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -172,8 +181,8 @@ class PDProxy:
 
     @property
     def pools(self) -> tuple[InstancePool, ...]:
-        """P's pool (when there is a P step) and D's."""
-        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+        """P's pool (when there is a P step) and D's: one pool when they are the same (--kv-both)."""
+        return (self.decode,) if self.prefill is None or self.prefill is self.decode else (self.prefill, self.decode)
 
     @property
     def _p_pool(self) -> InstancePool:
@@ -268,18 +277,24 @@ class PDProxy:
         deadline: float,
         rid: str,
         prompt: PromptBlocks | None,
+        placement: Placement,
     ) -> tuple[Lease, dict[str, Any]]:
-        """Prefill on the P routing chooses, once more on another P if that one went away before answering.
+        """Prefill on the P ``placement`` chose, once more on another P if that one went away before answering.
 
         Returns the lease of the P that answered (already released) and its ``kv_transfer_params``. Both attempts
         share ``deadline``.
         """
-        first = self._p_pool.acquire(prompt=prompt)
+        first = placement.prefill
+        assert first is not None
         try:
-            return first, await self._attempt(first, path, body, headers, deadline, rid)
+            kv = await self._attempt(first, path, body, headers, deadline, rid)
         except PrefillLost as exc:
             lost = exc
+        else:
+            self.placer.prefill_answered(placement)
+            return first, kv
         retry = self._p_pool.acquire(exclude=first.url, prompt=prompt)
+        self.placer.prefill_moved(placement, retry)
         self.prefill_retries += 1
         logger.warning(
             "request %s: prefill instance %s went away before answering (%s); retrying once on %s",
@@ -289,11 +304,13 @@ class PDProxy:
             retry.url,
         )
         try:
-            return retry, await self._attempt(retry, path, body, headers, deadline, rid)
+            kv = await self._attempt(retry, path, body, headers, deadline, rid)
         except ProxyError as exc:
             raise ProxyError(
                 exc.status, f"{exc.message} (after a retry; first: {lost.message})", exc.err_type
             ) from exc
+        self.placer.prefill_answered(placement)
+        return retry, kv
 
     async def handle(self, raw: bytes, client_headers: Mapping[str, str], path: str) -> Answer | Relay:
         """Full P then D flow for one request to ``path``, one of :data:`~vllm_kvp2p.proxy.endpoints.ENDPOINTS`
@@ -304,11 +321,12 @@ class PDProxy:
         try:
             body = self._parse(raw, path)
             headers = {"X-Request-Id": rid, **forwarded_headers(client_headers)}
+            run_one = functools.partial(self.run_one, objectives=self._objectives(client_headers))
             prompts = batch_prompts(body) if ENDPOINTS[path].batched else None
             if prompts is not None:
-                return await run_batch(self.run_one, self.limits, self.max_batch_concurrency, body, prompts, headers,
+                return await run_batch(run_one, self.limits, self.max_batch_concurrency, body, prompts, headers,
                                        path, rid)
-            return await self.run_one(body, headers, path, rid)
+            return await run_one(body, headers, path, rid)
         except ProxyError as exc:
             logger.warning("request %s: %s", rid, exc.message)
             return exc.to_answer(rid)
@@ -316,13 +334,25 @@ class PDProxy:
             logger.info("request %s: upstream answered %d, passed through", rid, exc.answer.status)
             return exc.answer
 
+    def _objectives(self, client_headers: Mapping[str, str]) -> Objectives | None:
+        """A request's own objectives (``X-KVP2P-SLO``, as ``--slo``), for ``--disaggregate auto``; else None."""
+        text = client_headers.get(SLO_HEADER.lower())
+        if text is None:
+            return None
+        try:
+            return Objectives.parse(text[:200], setting=SLO_HEADER)
+        except ObjectivesError as exc:
+            raise ProxyError(400, str(exc), "invalid_request_error") from None
+
     def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
         """``raw`` as ``path``'s request: parsed within the proxy's bounds and checked, before any P is asked
         (:meth:`Endpoint.parse <vllm_kvp2p.proxy.endpoints.Endpoint.parse>`)."""
         return ENDPOINTS[path].parse(raw, self.limits)
 
-    async def run_one(self, body: dict[str, Any], headers: dict[str, str], path: str, rid: str) -> Answer | Relay:
-        """P then D for one prompt; raises :class:`ProxyError` / :class:`PassThrough` for the client's answer."""
+    async def run_one(self, body: dict[str, Any], headers: dict[str, str], path: str, rid: str,
+                      objectives: Objectives | None = None) -> Answer | Relay:
+        """P then D for one prompt, or D alone (placement.py); raises :class:`ProxyError` / :class:`PassThrough`
+        for the client's answer."""
         received = time.monotonic()
         deadline = time.monotonic() + self.timeout_s
         stream = bool(lax_bool(body.get("stream", False)))
@@ -330,12 +360,33 @@ class PDProxy:
         prompt = await self._prompt_blocks(path, body, headers, deadline, rid)
         t0 = time.monotonic()
         route_ms = (t0 - received) * 1000.0  # the prompt's tokens and hashes (routing happens below)
-        info_headers = {"X-Request-Id": rid, "X-KVP2P-Route-Ms": f"{route_ms:.1f}"}
+        placement = self.placer.place(prompt, objectives)
+        relayed = False  # a relay ends the placement when it closes; otherwise this does, however it ends
+        try:
+            answer = await self._run_placed(placement, body, headers, path, rid, stream, deadline, prompt, route_ms,
+                                            t0)
+            relayed = isinstance(answer, Relay)
+            return answer
+        finally:
+            if not relayed:
+                self.placer.done(placement)
+
+    async def _run_placed(
+        self, placement: Placement, body: dict[str, Any], headers: dict[str, str], path: str, rid: str,
+        stream: bool, deadline: float, prompt: PromptBlocks | None, route_ms: float, t0: float,
+    ) -> Answer | Relay:
+        info_headers = {"X-Request-Id": rid, "X-KVP2P-Route-Ms": f"{route_ms:.1f}",
+                        "X-KVP2P-Path": f"{placement.path}; reason={placement.reason}"}
         d_body = dict(body)
         kv: dict[str, Any] | None = None
-        if self.prefill is not None:
+        if placement.prefill is not None:
             p_body = ENDPOINTS[path].prefill_body(body)
-            p_lease, kv = await self._prefill_to_the_end(path, p_body, headers, deadline, rid, prompt)
+            try:
+                p_lease, kv = await self._prefill_to_the_end(path, p_body, headers, deadline, rid, prompt, placement)
+            except BaseException:
+                if placement.decode is not None:
+                    self.decode.release(placement.decode)
+                raise
             prefill_ms = (time.monotonic() - t0) * 1000.0
             d_body["kv_transfer_params"] = kv
             info_headers.update({"X-KVP2P-Prefill-Instance": p_lease.url, "X-KVP2P-Prefill-Ms": f"{prefill_ms:.1f}"})
@@ -344,19 +395,22 @@ class PDProxy:
         # carries no report). An abandon frees only a hold no reader touched: vllm_kvp2p/proxy/hold_abandon.py.
         handed_over = False
         try:
-            d_lease = self.decode.acquire(prompt=prompt)
+            if placement.decode is None:
+                self.placer.decode_leased(placement, self.decode.acquire(prompt=prompt))
+            d_lease = placement.decode
+            assert d_lease is not None
             info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
             if kv is None:
-                logger.info("request %s %s: instance %s (%d tokens cached); prompt read in %.1f ms",
-                            rid, path, d_lease.url, d_lease.cached_tokens, route_ms)
+                logger.info("request %s %s: instance %s (%d tokens cached; %s); prompt read in %.1f ms",
+                            rid, path, d_lease.url, d_lease.cached_tokens, placement.reason, route_ms)
             else:
                 if self.cache_headers:
                     info_headers.update(zip(CACHE_HEADERS, (str(p_lease.cached_tokens), str(d_lease.cached_tokens)),
                                             strict=True))
                 logger.info(
-                    "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached); prompt read in "
-                    "%.1f ms", rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url,
-                    d_lease.cached_tokens, route_ms,
+                    "request %s %s: prefill %s (%.1f ms, %d tokens cached) -> decode %s (%d cached; %s); prompt read "
+                    "in %.1f ms", rid, path, p_lease.url, prefill_ms, p_lease.cached_tokens, d_lease.url,
+                    d_lease.cached_tokens, placement.reason, route_ms,
                 )
             if not stream:
                 try:
@@ -364,12 +418,19 @@ class PDProxy:
                                                                      info_headers)
                 finally:
                     self.decode.release(d_lease)
-                if not reports_its_pull(answer.body):  # e.g. D's verdict refused the params without contacting P
+                if kv is not None and not reports_its_pull(answer.body):  # e.g. D's verdict refused the params
                     self._abandon(kv)
             else:
+                times = StreamTimes(asked_ms=time.monotonic() * 1000.0)
+
+                def closed() -> None:
+                    self._abandon(kv)
+                    self.placer.stream_ended(placement, times)
+                    self.placer.done(placement)
+
                 try:
                     answer = await self._decode_stream(d_lease, path, d_body, headers, deadline, info_headers, rid,
-                                                       on_close=lambda: self._abandon(kv))
+                                                       on_close=closed, times=(placement, times))
                 except BaseException:
                     self.decode.release(d_lease)
                     raise
@@ -381,13 +442,14 @@ class PDProxy:
 
     async def _prefill_to_the_end(
         self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float, rid: str,
-        prompt: PromptBlocks | None,
+        prompt: PromptBlocks | None, placement: Placement,
     ) -> tuple[Lease, dict[str, Any]]:
         """:meth:`_prefill_with_retry`, run to P's answer even if the client leaves meanwhile: then the hold P made
         is abandoned as soon as its params arrive. Aborting P's request instead would race P's answer (a prefill
         that finished just before the abort holds its KV for hold_timeout with nobody knowing its params); the price
         is the rest of one prefill per leaving client, which a client that stayed would have cost as well."""
-        task = asyncio.ensure_future(self._prefill_with_retry(path, body, headers, deadline, rid, prompt))
+        task = asyncio.ensure_future(self._prefill_with_retry(path, body, headers, deadline, rid, prompt,
+                                                              placement))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -460,6 +522,7 @@ class PDProxy:
         info_headers: dict[str, str],
         rid: str,
         on_close: Callable[[], None] = lambda: None,
+        times: tuple[Placement, StreamTimes] | None = None,
     ) -> Answer | Relay:
         """Streaming decode: wait (bounded) for D's head, then relay its SSE bytes as they come.
 
@@ -491,6 +554,17 @@ class PDProxy:
             stream.status,
             stream.content_type or "text/event-stream",
             {**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            relay_events(stream, url, rid, self.timeout_s),
+            relay_events(stream, url, rid, self.timeout_s) if times is None
+            else self._timed(relay_events(stream, url, rid, self.timeout_s), *times),
             close,
         )
+
+    async def _timed(self, chunks: AsyncIterator[bytes], placement: Placement, times: StreamTimes
+                     ) -> AsyncIterator[bytes]:
+        """``chunks`` unchanged, their arrival noted: the first token ends a local prefill (placement.py)."""
+        async for chunk in chunks:
+            first = times.first_ms is None
+            times.saw(chunk, time.monotonic() * 1000.0)
+            if first and times.first_ms is not None:
+                self.placer.first_token(placement)
+            yield chunk

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from vllm_kvp2p.proxy.app import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_BATCH_CONCURRENCY, DEFAULT_TIMEOUT_S
 from vllm_kvp2p.proxy.block_hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashSettingsError
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.disaggregation import DEFAULT_THRESHOLD_TOKENS, Mode, Objectives, ObjectivesError
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.server import create_app
@@ -54,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="ordinary vLLM instances instead of P and D: each request goes whole to one of them, by the same "
         "routing (what P/D is compared with, benchmarks/bench_goodput.py); KV events with --decode-kv-events",
+    )
+    p.add_argument(
+        "--kv-both",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="instances started with kv_role kv_both instead of P and D: each may prefill for another and decode, "
+        "and --disaggregate decides per request which does what (docs/routing.md); KV events with "
+        "--decode-kv-events",
     )
     p.add_argument(
         "--prefiller-hosts",
@@ -145,6 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="how many prompts of one batched request run their prefill/decode at once; the rest wait their turn "
         "(default: %(default)s)",
+    )
+    placing = p.add_argument_group("disaggregation (docs/routing.md)")
+    placing.add_argument(
+        "--disaggregate",
+        choices=[mode.value for mode in Mode],
+        default=None,
+        help="per request: always P/D, never (each request computed where it decodes), or auto: decided per "
+        "request from --slo and what the proxy measures, or by --disaggregate-threshold without --slo "
+        "(default: auto with --kv-both; always with --prefill/--decode, whose roles were decided at deployment; "
+        "never with --instances)",
+    )
+    placing.add_argument(
+        "--slo",
+        default=None,
+        metavar="ttft=TIME,tpot=TIME",
+        help="the latency objectives auto decides by, e.g. ttft=300ms,tpot=15ms (time to first token; time per "
+        "output token after the first); a request may override them with an X-KVP2P-SLO header of the same form",
+    )
+    placing.add_argument(
+        "--disaggregate-threshold",
+        type=int,
+        default=DEFAULT_THRESHOLD_TOKENS,
+        metavar="TOKENS",
+        help="auto without --slo (and until the proxy has measured enough requests to predict): P/D when the "
+        "decode instance lacks at least this many of the prompt's tokens (default: %(default)s)",
     )
     routing = p.add_argument_group("routing (docs/routing.md)")
     routing.add_argument(
@@ -265,14 +301,16 @@ def _host_port_urls(
 
 
 def resolve_instances(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """Prefill and decode urls from both flag styles; at least one of each is required. ``--instances``: no
-    prefill urls, the instances in decode's place (the proxy of ordinary instances)."""
+    """Prefill and decode urls from both flag styles; at least one of each is required. ``--instances`` and
+    ``--kv-both``: no prefill urls, the instances in decode's place."""
     prefill = list(args.prefill) + _host_port_urls(parser, "prefiller", args.prefiller_hosts, args.prefiller_ports)
     decode = list(args.decode) + _host_port_urls(parser, "decoder", args.decoder_hosts, args.decoder_ports)
-    if args.instances:
-        if prefill or decode or args.prefill_kv_events:
-            parser.error("--instances (ordinary instances) excludes the P and D flags and --prefill-kv-events")
-        return [], list(args.instances)
+    for flag, urls in (("--instances", args.instances), ("--kv-both", args.kv_both)):
+        if urls:
+            if prefill or decode or args.prefill_kv_events or (args.instances and args.kv_both):
+                parser.error(f"{flag} excludes the P and D flags, --prefill-kv-events and the other of --instances "
+                             "and --kv-both")
+            return [], list(urls)
     if not prefill:
         parser.error("no prefill instance: use --prefill URL or --prefiller-hosts/--prefiller-ports")
     if not decode:
@@ -280,11 +318,32 @@ def resolve_instances(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return prefill, decode
 
 
+def resolve_placing(args: argparse.Namespace, parser: argparse.ArgumentParser
+                    ) -> tuple[Mode, Objectives | None, int]:
+    """``--disaggregate`` (its default by the instances' shape), ``--slo``, ``--disaggregate-threshold``."""
+    default = Mode.AUTO if args.kv_both else Mode.NEVER if args.instances else Mode.ALWAYS
+    mode = default if args.disaggregate is None else Mode(args.disaggregate)
+    if args.instances and mode is not Mode.NEVER:
+        parser.error(f"--disaggregate {mode.value}: ordinary instances (--instances) cannot prefill for each other; "
+                     "start them with kv_role kv_both and give them as --kv-both")
+    try:
+        objectives = None if args.slo is None else Objectives.parse(args.slo)
+    except ObjectivesError as exc:
+        parser.error(str(exc))
+    if objectives is not None and mode is not Mode.AUTO:
+        parser.error(f"--slo is what --disaggregate auto decides by; with --disaggregate {mode.value} it would "
+                     "change nothing")
+    if args.disaggregate_threshold < 0:
+        parser.error("--disaggregate-threshold must be at least 0")
+    return mode, objectives, args.disaggregate_threshold
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``vllm-kvp2p-proxy`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
     prefill, decode = resolve_instances(args, parser)
+    mode, objectives, threshold = resolve_placing(args, parser)
     if args.timeout <= 0 or args.connect_timeout <= 0:
         parser.error("--timeout and --connect-timeout must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -314,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_body_bytes=args.max_body_bytes,
             max_batch_concurrency=args.max_batch_concurrency,
             cache_headers=args.cache_headers,
+            kv_both=bool(args.kv_both),
+            disaggregate=mode,
+            objectives=objectives,
+            threshold=threshold,
         )
     except (ValueError, HashSettingsError) as exc:
         parser.error(str(exc))

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS, InstanceCache
+from vllm_kvp2p.proxy.cost_model import InstanceWork
 from vllm_kvp2p.proxy.health import InstanceHealth
 from vllm_kvp2p.proxy.kv_events import BlockKey, BlocksStored
 from vllm_kvp2p.proxy.routing import Candidate, Policy, choose
@@ -43,6 +44,8 @@ class Instance:
     cache: InstanceCache = field(default_factory=InstanceCache)
     #: Do the proxy's block hashes equal this instance's? None until one of its events could tell.
     hashes_match: bool | None = None
+    #: The prefill work and decodes the proxy placed here (``--disaggregate auto`` decides from it).
+    work: InstanceWork = field(default_factory=InstanceWork)
 
     def cached_tokens(self, prompt: PromptBlocks | None) -> int:
         """Leading prompt tokens this instance holds, as far as the proxy can trust its index."""
@@ -59,6 +62,7 @@ class Instance:
             "served": self.served,
             "prefix_hits": self.prefix_hits,
             "hit_tokens": self.hit_tokens,
+            **self.work.snapshot(),
             **self.health.snapshot(now),
         }
         if self.events_endpoint is not None:
@@ -160,17 +164,26 @@ class InstancePool:
                 cursor=self._cursor,
                 exclude=skip,
             )
-            inst = self.instances[i]
-            work = 0 if prompt is None else max(0, prompt.num_tokens - cached[i])
-            inst.outstanding += 1
-            inst.pending_tokens += work
-            inst.served += 1
-            if cached[i]:
-                inst.prefix_hits += 1
-                inst.hit_tokens += cached[i]
-            inst.health.chosen(now)
-            self._cursor = (i + 1) % len(self.instances)
-            return Lease(inst.url, work, cached[i])
+            return self._lease(i, cached[i], prompt, now)
+
+    def acquire_at(self, url: str, prompt: PromptBlocks | None = None) -> Lease:
+        """Count a request on the instance at ``url``, chosen elsewhere (:mod:`placement`)."""
+        with self._lock:
+            inst = self._by_url[url]
+            return self._lease(self.instances.index(inst), inst.cached_tokens(prompt), prompt, self._clock())
+
+    def _lease(self, i: int, cached: int, prompt: PromptBlocks | None, now: float) -> Lease:
+        inst = self.instances[i]
+        work = 0 if prompt is None else max(0, prompt.num_tokens - cached)
+        inst.outstanding += 1
+        inst.pending_tokens += work
+        inst.served += 1
+        if cached:
+            inst.prefix_hits += 1
+            inst.hit_tokens += cached
+        inst.health.chosen(now)
+        self._cursor = (i + 1) % len(self.instances)
+        return Lease(inst.url, work, cached)
 
     def release(self, lease: Lease) -> None:
         """The request left the instance (never below zero, so a double release cannot go negative)."""

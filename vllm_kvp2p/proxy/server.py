@@ -24,9 +24,11 @@ from vllm_kvp2p.proxy.app import (
 from vllm_kvp2p.proxy.asgi import ProxyASGI
 from vllm_kvp2p.proxy.block_hashes import DEFAULT_ALGORITHM, make_hasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS
+from vllm_kvp2p.proxy.disaggregation import DEFAULT_THRESHOLD_TOKENS, Mode, Objectives
 from vllm_kvp2p.proxy.health_probe import probe_health
 from vllm_kvp2p.proxy.instances import InstancePool
 from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer
+from vllm_kvp2p.proxy.placement import Placer
 from vllm_kvp2p.proxy.prompt_tokens import DEFAULT_TOKENIZE_TIMEOUT_S, PromptReader, reader_snapshot
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.proxy.upstream import normalize_url
@@ -59,6 +61,10 @@ def create_app(
     max_batch_concurrency: int = DEFAULT_MAX_BATCH_CONCURRENCY,
     cache_headers: bool = False,
     max_orphan_prefills: int = DEFAULT_MAX_ORPHAN_PREFILLS,
+    kv_both: bool = False,
+    disaggregate: Mode | None = None,
+    objectives: Objectives | None = None,
+    threshold: int = DEFAULT_THRESHOLD_TOKENS,
 ) -> ProxyASGI:
     """Build the proxy app for the given P and D instances (urls like ``http://host:port`` or ``host:port``).
 
@@ -81,7 +87,10 @@ def create_app(
     ``cache_headers`` adds ``X-KVP2P-Prefill-Cached-Tokens`` / ``X-KVP2P-Decode-Cached-Tokens`` to every answer:
     off by default, since any client could then learn which prefixes other clients' prompts share.
     ``prefill_urls`` empty makes the proxy of ordinary instances: each request goes whole to one of
-    ``decode_urls`` (``--instances``). The :class:`PDProxy` is available as ``app.proxy``.
+    ``decode_urls`` (``--instances``), unless ``kv_both``: then ``decode_urls`` are instances that may each
+    prefill for another and decode (``--kv-both``). ``disaggregate`` (default: ``auto`` for ``kv_both``,
+    ``always`` with a P step, ``never`` without), ``objectives`` and ``threshold`` decide per request
+    (placement.py, disaggregation.py). The :class:`PDProxy` is available as ``app.proxy``.
     """
     if not prefill_urls and prefill_events:
         raise ValueError("KV events for prefill instances, but there are none")
@@ -89,8 +98,12 @@ def create_app(
         raise ValueError(f"prefix_weight={prefix_weight}: allowed 0..100")
     if tokenize_timeout_s <= 0:
         raise ValueError("tokenize_timeout_s must be positive")
+    if kv_both and prefill_urls:
+        raise ValueError("kv_both instances are given in decode_urls alone")
+    mode = disaggregate or (Mode.AUTO if kv_both else Mode.ALWAYS if prefill_urls else Mode.NEVER)
     with_events = routing is Policy.PREFIX_AWARE and any(e for e in (*(prefill_events or ()), *(decode_events or ())))
-    hasher = make_hasher(hash_algo, hash_seed) if with_events else None
+    # auto decides by the prompt's tokens, so it reads them even without KV events to match its hashes against.
+    hasher = make_hasher(hash_algo, hash_seed) if with_events or mode is Mode.AUTO else None
 
     def pool(urls: Sequence[str], events: Sequence[tuple[str, str | None] | None] | None) -> InstancePool:
         return InstancePool(
@@ -101,9 +114,12 @@ def create_app(
             max_blocks=index_max_blocks,
         )
 
+    decode = pool(decode_urls, decode_events)
+    # --kv-both: one pool in both roles; --instances: no P step.
+    prefill = decode if kv_both else pool(prefill_urls, prefill_events) if prefill_urls else None
     proxy = PDProxy(
-        pool(prefill_urls, prefill_events) if prefill_urls else None,  # none: ordinary instances (``--instances``)
-        pool(decode_urls, decode_events),
+        prefill,
+        decode,
         timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s,
         health_probe_timeout_s=health_probe_timeout_s,
@@ -115,6 +131,7 @@ def create_app(
         max_batch_concurrency=max_batch_concurrency,
         max_orphan_prefills=max_orphan_prefills,
         cache_headers=cache_headers,
+        placer=Placer(prefill, decode, mode, objectives, threshold),
     )
     if routing is Policy.PREFIX_AWARE and hasher is None:
         logger.info(
@@ -125,11 +142,14 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await proxy.start()
         logger.info(
-            "P/D proxy: prefill %s, decode %s, routing %s%s",
+            "P/D proxy: prefill %s, decode %s, routing %s, disaggregate %s%s%s",
             "none (ordinary instances, whole requests to the decode pool)" if proxy.prefill is None
-            else list(proxy.prefill.urls),
+            else "the same kv_both instances" if kv_both else list(proxy.prefill.urls),
             list(proxy.decode.urls),
             routing.value,
+            mode.value,
+            "" if mode is not Mode.AUTO else f" by {objectives}" if objectives
+            else f" by a {threshold}-token threshold",
             "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
         )
         try:
@@ -153,7 +173,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
 
     Probing answers 503 when a whole role (all P or all D) is down, since no request can succeed then.
     """
-    prefill = [] if proxy.prefill is None else proxy.prefill.snapshot()
+    prefill = [] if proxy.prefill is None or proxy.prefill is proxy.decode else proxy.prefill.snapshot()
     decode = proxy.decode.snapshot()
     status_code = 200
     body: dict[str, Any] = {
@@ -162,6 +182,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
         "decode": decode,
         "prefill_retries": proxy.prefill_retries,
         "hold_abandons": proxy.abandons(),
+        "placement": proxy.placer.snapshot(),
         "routing": {
             "policy": proxy.decode.policy.value,
             "prefix_weight": proxy.decode.prefix_weight,
@@ -178,7 +199,7 @@ async def health_report(proxy: PDProxy, probe: bool) -> JSONResponse:
             entry["healthy"] = ok
             if err is not None:
                 entry["error"] = err
-        if (proxy.prefill is not None and not any(e["healthy"] for e in prefill)) or not any(
+        if (prefill and not any(e["healthy"] for e in prefill)) or not any(
                 e["healthy"] for e in decode):
             body["status"] = "unhealthy"
             status_code = 503

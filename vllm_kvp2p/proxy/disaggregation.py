@@ -20,9 +20,10 @@ measured state of every instance (:class:`InstanceLoad`) and a cost model calibr
   of that instance's time its prefills take (``step / (1 - share)``): a local prefill stretches D's decodes (the
   request's own included), a prefill on P stretches P's decodes when P also decodes (``kv_both``).
 
-Each placement's *score* is the largest of those figures divided by its objective; the placement with the
-smallest score wins (ties: D computes, then fewer requests in flight). A score at or under 1 meets every objective
-the proxy can predict; above 1 the least damaging placement is taken. So a short prompt or an idle fleet stays
+Each placement's *score* is the largest of those figures divided by its objective: at or under 1 it meets every
+objective the proxy can predict. Among the placements that do, D computing the prompt wins (no second hop, no
+hold, no second engine's work), then the least prefill work (a cached prefix), then the lowest score; when none
+does, the lowest score (the least damage). So a short prompt or an idle fleet stays
 local (no second hop), a long prompt under a tight TPOT goes to the instance whose decodes it hurts least, and
 with ``kv_both`` instances the prefill:decode split follows the load: an instance busy prefilling stops being
 chosen as D (its decodes would be stretched) and the others stop prefilling (theirs would).
@@ -35,7 +36,6 @@ Every :class:`Decision` carries a ``reason`` from :data:`REASONS`, which the pro
 from __future__ import annotations
 
 import enum
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,6 +178,7 @@ class _Placement:
     tpot_ms: float
     score: float
     outstanding: int
+    work_ms: float
 
 
 def decide(
@@ -239,17 +240,19 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
     remote.sort(key=lambda r: (r[0], loads[r[3]].backlog_ms, (r[3] - cursor) % n))
     best: _Placement | None = None
     for d in decoders:
+        # The request's own decode is stretched by the prefills D does meanwhile, not by its own (done before its
+        # first token); D's running decodes are stretched by its own too when D computes it.
+        own_tpot = cost.tpot_ms(loads[d].decodes + 1, share(d))
         local_ms = prefill_on(d)
         ttft = loads[d].backlog_ms + local_ms
-        tpot = cost.tpot_ms(loads[d].decodes + 1, share(d, local_ms))
-        candidates = [_Placement(d, None, ttft, tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms),
-                                 loads[d].outstanding)]
+        tpot = max(own_tpot, cost.tpot_ms(loads[d].decodes + 1, share(d, local_ms)) if loads[d].decodes else 0.0)
+        candidates = [_Placement(d, None, ttft, own_tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms),
+                                 loads[d].outstanding, local_ms)]
         other = next((r for r in remote if r[3] != d), None)
         if other is not None:
             part, p_ttft, _, p = other
-            d_tpot = cost.tpot_ms(loads[d].decodes + 1, share(d))
-            candidates.append(_Placement(d, p, p_ttft + cost.hop_ms, d_tpot,
-                                         max(part, d_tpot / objectives.tpot_ms), loads[d].outstanding))
+            candidates.append(_Placement(d, p, p_ttft + cost.hop_ms, own_tpot,
+                                         max(part, own_tpot / objectives.tpot_ms), loads[d].outstanding, prefill_on(p)))
         for c in candidates:
             if best is None or _better(c, best, cursor, n):
                 best = c
@@ -261,12 +264,14 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
 
 
 def _better(a: _Placement, b: _Placement, cursor: int, n: int) -> bool:
-    """``a`` before ``b``: lower score (scores within 1 % are equal: noise), then local, then fewer in flight."""
-    if not math.isclose(a.score, b.score, rel_tol=0.01):
-        return a.score < b.score
-    key_a = (a.prefill is not None, a.outstanding, (a.decode - cursor) % n)
-    key_b = (b.prefill is not None, b.outstanding, (b.decode - cursor) % n)
-    return key_a < key_b
+    """``a`` before ``b``: one that meets every objective first; among those D computing the prompt first (no hop,
+    no hold, no second engine's work), then the least prefill work; then the lower score, fewer in flight, round
+    robin."""
+    def key(c: _Placement) -> tuple[bool, bool, float, float, int, int]:
+        fits = c.score <= 1.0
+        return (not fits, fits and c.prefill is not None, c.work_ms if fits else 0.0, c.score, c.outstanding,
+                (c.decode - cursor) % n)
+    return key(a) < key(b)
 
 
 def _usable(indices: list[int], loads: Sequence[InstanceLoad]) -> list[int]:

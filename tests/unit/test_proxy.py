@@ -83,7 +83,7 @@ class DroppingServer:
 
     ``mode="close"`` closes cleanly (the client sees the server disconnect without a response), ``mode="reset"``
     aborts with an RST (connection reset), as a P whose process died would. ``attempts`` counts the requests
-    (not the proxy's ``/health`` probes).
+    (not the proxy's ``/health`` probes nor its ``/metrics`` reads).
     """
 
     def __init__(self, mode: str, delay_s: float = 0.0) -> None:
@@ -129,7 +129,8 @@ class DroppingServer:
                     return
                 rest += chunk
             with self._lock:
-                if not head.startswith(b"GET /health"):  # the proxy's probes of a skipped instance are not requests
+                # The proxy's probes of a skipped instance and its reads of the pairing values are not requests.
+                if not head.startswith((b"GET /health", b"GET /metrics")):
                     self.attempts += 1
             time.sleep(self.delay_s)
             if self.mode == "reset":
@@ -818,7 +819,7 @@ def test_health_and_models(stubs: dict[str, Stub], make_proxy: Callable[..., str
     assert [e["url"] for e in body["prefill"]] == [stubs["P0"].url, stubs["P1"].url]
     assert body["decode"] == [{"url": stubs["D0"].url, "outstanding": 0, "pending_tokens": 0, "served": 0,
                                "prefix_hits": 0, "hit_tokens": 0, "queued_prefill_tokens": 0, "queued_prefills": 0,
-                               "decodes": 0, "state": "up", "failures": 0}]
+                               "decodes": 0, "pairing": None, "state": "up", "failures": 0}]
     assert body["routing"] == {"policy": "prefix-aware", "prefix_weight": 1.0, "kv_events": False,
                                "index_blocks": 0, "tokenize_failures": 0, "tokenized_locally": 0,
                                "tokenized_by_p": 0, "tokenizer": None}

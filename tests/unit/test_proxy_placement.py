@@ -6,7 +6,10 @@ instance's on every path) is tests/e2e_routing/test_kv_both_end_to_end.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tests.unit.test_proxy import CLIENT_TIMEOUT, ServerThread
+from vllm_kvp2p.pairing_key import METRIC, PairingKey
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances, resolve_placing
 from vllm_kvp2p.proxy.disaggregation import Mode, Objectives
 from vllm_kvp2p.proxy.server import create_app
@@ -35,6 +39,8 @@ class BothStub:
     received: list[dict[str, Any]] = field(default_factory=list)
     fail_decode: bool = False
     server: ServerThread | None = None
+    #: The pairing values its /metrics reports (None: no such metric, as an engine without it).
+    pairing: PairingKey | None = None
 
     @property
     def url(self) -> str:
@@ -75,12 +81,19 @@ def both_app(stub: BothStub) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stub.pairing is None:
+            return Response("# no pairing metric\n", media_type="text/plain")
+        labels = ",".join(f'{k}="{v}"' for k, v in stub.pairing.labels().items())
+        return Response(f"{METRIC}{{{labels}}} 1.0\n", media_type="text/plain")
+
     return app
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[BothStub]]:
-    out = [BothStub(f"B{i}") for i in range(2)]
+    out = [BothStub(f"B{i}") for i in range(3)]
     for s in out:
         s.server = ServerThread(both_app(s)).start()
     yield out
@@ -100,7 +113,7 @@ def proxy(engines: list[BothStub]) -> Iterator[Callable[..., str]]:
         kwargs.setdefault("timeout_s", 5.0)
         kwargs.setdefault("connect_timeout_s", 2.0)
         prefill = kwargs.pop("prefill", [])
-        decode = kwargs.pop("decode", [s.url for s in engines])
+        decode = kwargs.pop("decode", [s.url for s in engines[:2]])
         srv = ServerThread(create_app(prefill, decode, **kwargs)).start()
         started.append(srv)
         return srv.url
@@ -255,3 +268,69 @@ def test_cli_defaults_by_shape() -> None:
         assert resolve_placing(parser.parse_args(argv), parser)[0] is mode
     args = parser.parse_args(["--kv-both", "http://a", "http://b", "--slo", "ttft=300ms,tpot=15ms"])
     assert resolve_placing(args, parser) == (Mode.AUTO, Objectives(300.0, 15.0), 256)
+
+
+KEY = PairingKey(role="both", protocol_version=1, model_fingerprint="aaaa", kv_cache_dtype="float32", use_mla=False,
+                 draft="none", block_size=32, linear_state=False, tp_size=1, pp_size=1)
+
+
+def learned(url: str, count: int) -> None:
+    """Wait (bounded) until the proxy read ``count`` instances' pairing values."""
+    deadline = time.monotonic() + 10.0
+    while sum(i["pairing"] is not None for i in health(url)["decode"]) < count:
+        assert time.monotonic() < deadline, health(url)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", [Mode.ALWAYS, Mode.AUTO])
+def test_a_pair_that_cannot_exchange_kv_is_never_formed(
+    engines: list[BothStub], proxy: Callable[..., str], mode: Mode, caplog: pytest.LogCaptureFixture
+) -> None:
+    """B2 runs another model (its fingerprint differs): it never prefills for B0/B1 nor decodes their prompts,
+    and each refused pair is logged once naming both instances and the value; B0 and B1 keep pairing. The
+    control: with B2's values unknown (no metric), the same proxy does pair it."""
+    caplog.set_level(logging.WARNING, logger="vllm_kvp2p.proxy")
+    engines[0].pairing = engines[1].pairing = KEY
+    engines[2].pairing = dataclasses.replace(KEY, model_fingerprint="bbbb")
+    try:
+        url = proxy(kv_both=True, disaggregate=mode, threshold=8, decode=[s.url for s in engines])
+        learned(url, 3)
+        for _ in range(12):
+            r = post(url, LONG)
+            assert r.status_code == 200, r.text
+            pair = {r.headers.get("x-kvp2p-prefill-instance"), r.headers["x-kvp2p-decode-instance"]}
+            assert engines[2].url not in pair or len(pair - {None}) == 1, pair
+        assert set(engines[2].roles()) <= {"D"}  # at most a prompt of its own, never P nor a pull
+        warnings = [m for m in caplog.messages if m.startswith("never pairing")]
+        assert len(warnings) == len(set(warnings)) >= 1, warnings
+        assert all("model fingerprint: P " in m and engines[2].url in m for m in warnings), warnings
+        unpaired = health(url)["placement"]["unpaired"]
+        assert {(u["prefill"], u["decode"]) for u in unpaired} <= {
+            (a.url, b.url) for a in engines for b in engines if engines[2] in (a, b) and a is not b}
+        assert any(r == "P" for s in engines[:2] for r in s.roles())  # the others still pair
+
+        engines[2].pairing = None  # the control: unknown values do not stop a pair (D's own check would)
+        url = proxy(kv_both=True, disaggregate=Mode.ALWAYS, decode=[s.url for s in engines])
+        learned(url, 2)
+        for _ in range(9):
+            assert post(url, LONG).status_code == 200
+        assert "P" in engines[2].roles() or "D+params" in engines[2].roles()
+    finally:
+        for s in engines:
+            s.pairing = None
+
+
+def test_no_pair_at_all_computes_where_it_decodes(engines: list[BothStub], proxy: Callable[..., str]) -> None:
+    engines[0].pairing = KEY
+    engines[1].pairing = dataclasses.replace(KEY, kv_cache_dtype="bfloat16")
+    try:
+        url = proxy(kv_both=True, disaggregate=Mode.ALWAYS)
+        learned(url, 2)
+        for _ in range(4):
+            r = post(url, LONG)
+            assert r.status_code == 200 and r.headers["x-kvp2p-path"] == "local; reason=no_prefill_instance"
+        assert set(engines[0].roles() + engines[1].roles()) == {"D"}
+        settled(url)
+    finally:
+        for s in engines:
+            s.pairing = None

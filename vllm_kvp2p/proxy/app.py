@@ -44,6 +44,7 @@ from vllm_kvp2p.proxy.health import Health
 from vllm_kvp2p.proxy.health_probe import probe_skipped
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner, authenticator_from_env, reports_its_pull
 from vllm_kvp2p.proxy.instances import InstancePool, Lease, PromptBlocks
+from vllm_kvp2p.proxy.pairing_probe import keep_pairings
 from vllm_kvp2p.proxy.placement import Placement, Placer, StreamTimes
 from vllm_kvp2p.proxy.prompt_tokens import PromptReader
 from vllm_kvp2p.proxy.upstream import (
@@ -154,6 +155,9 @@ class PDProxy:
                         "with a secret takes them, but a P of several ranks then cannot be reached; docs/security.md)")
         self._tasks.append(asyncio.create_task(
             probe_skipped(self.pools, self.client, self.health_probe_timeout_s), name="kvp2p-proxy-probe"))
+        if self.prefill is not None:  # which P and D can exchange KV (pairing.py): the placement never pairs others
+            self._tasks.append(asyncio.create_task(
+                keep_pairings(self.pools, self.client, self.health_probe_timeout_s), name="kvp2p-proxy-pairing"))
         if self.prompts is not None:
             from vllm_kvp2p.proxy.kv_event_feed import start_feeds  # zmq only when events are configured
 
@@ -395,10 +399,7 @@ class PDProxy:
         # carries no report). An abandon frees only a hold no reader touched: vllm_kvp2p/proxy/hold_abandon.py.
         handed_over = False
         try:
-            if placement.decode is None:
-                self.placer.decode_leased(placement, self.decode.acquire(prompt=prompt))
-            d_lease = placement.decode
-            assert d_lease is not None
+            d_lease = self.placer.lease_decode(placement, prompt)
             info_headers["X-KVP2P-Decode-Instance"] = d_lease.url
             if kv is None:
                 logger.info("request %s %s: instance %s (%d tokens cached; %s); prompt read in %.1f ms",

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: The token threshold's default: P/D when D lacks at least this many prompt tokens (docs/routing.md: measured).
@@ -189,9 +189,11 @@ def decide(
     objectives: Objectives | None = None,
     threshold: int = DEFAULT_THRESHOLD_TOKENS,
     cursor: int = 0,
+    pairs: Callable[[int, int], bool] = lambda p, d: True,
 ) -> Decision:
     """``auto``'s placement of one request. ``loads`` indexes the instances; ``cursor`` rotates ties.
 
+    ``pairs(p, d)``: whether instance ``p`` may prefill for ``d`` (vllm_kvp2p/proxy/pairing.py): never otherwise.
     (``always`` and ``never`` need no decision: the proxy's routing picks the instance of each role, as without
     this module.)"""
     decoders = _usable([i for i, x in enumerate(loads) if x.can_decode], loads)
@@ -201,15 +203,15 @@ def decide(
     if prompt_tokens is None:
         return Decision(_least_busy(decoders, loads, cursor), None, "unknown_prompt")
     if objectives is None or not cost.calibrated:
-        return _by_threshold(decoders, prefillers, loads, prompt_tokens, cost, threshold, cursor)
-    return _by_objectives(decoders, prefillers, loads, prompt_tokens, cost, objectives, cursor)
+        return _by_threshold(decoders, prefillers, loads, prompt_tokens, cost, threshold, cursor, pairs)
+    return _by_objectives(decoders, prefillers, loads, prompt_tokens, cost, objectives, cursor, pairs)
 
 
 def _by_threshold(decoders: list[int], prefillers: list[int], loads: Sequence[InstanceLoad], prompt_tokens: int,
-                  cost: CostModel, threshold: int, cursor: int) -> Decision:
+                  cost: CostModel, threshold: int, cursor: int, pairs: Callable[[int, int], bool]) -> Decision:
     """llm-d's rule: P/D when the D with the fewest decodes lacks at least ``threshold`` of the prompt's tokens."""
     d = _least_busy(decoders, loads, cursor)
-    p_set = _usable([i for i in prefillers if i != d], loads)
+    p_set = _usable([i for i in prefillers if i != d and pairs(i, d)], loads)
     lacking = prompt_tokens - loads[d].cached_tokens
     if lacking < threshold or not p_set:
         return Decision(d, None, "threshold" if p_set else "no_prefill_instance")
@@ -217,7 +219,8 @@ def _by_threshold(decoders: list[int], prefillers: list[int], loads: Sequence[In
 
 
 def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[InstanceLoad], prompt_tokens: int,
-                   cost: CostModel, objectives: Objectives, cursor: int) -> Decision:
+                   cost: CostModel, objectives: Objectives, cursor: int, pairs: Callable[[int, int], bool]
+                   ) -> Decision:
     """The placement with the smallest score (module doc); local first among equals."""
     n = len(loads)
     window = max(1.0, cost.share_window_ms)
@@ -248,7 +251,7 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
         tpot = max(own_tpot, cost.tpot_ms(loads[d].decodes + 1, share(d, local_ms)) if loads[d].decodes else 0.0)
         candidates = [_Placement(d, None, ttft, own_tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms),
                                  loads[d].outstanding, local_ms)]
-        other = next((r for r in remote if r[3] != d), None)
+        other = next((r for r in remote if r[3] != d and pairs(r[3], d)), None)
         if other is not None:
             part, p_ttft, _, p = other
             candidates.append(_Placement(d, p, p_ttft + cost.hop_ms, own_tpot,
@@ -258,7 +261,8 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
                 best = c
     assert best is not None
     reason = "slo_met" if best.score <= 1.0 else "slo_best_effort"
-    if best.prefill is None and not _usable([i for i in prefillers if i != best.decode], loads):
+    if best.prefill is None and not _usable([i for i in prefillers if i != best.decode and pairs(i, best.decode)],
+                                            loads):
         reason = "no_prefill_instance"
     return Decision(best.decode, best.prefill, reason, best.ttft_ms, best.tpot_ms, best.score)
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvp2p.pairing_key import PairingKey
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS, InstanceCache
 from vllm_kvp2p.proxy.cost_model import InstanceWork
@@ -46,6 +47,9 @@ class Instance:
     hashes_match: bool | None = None
     #: The prefill work and decodes the proxy placed here (``--disaggregate auto`` decides from it).
     work: InstanceWork = field(default_factory=InstanceWork)
+    #: What decides whether it can exchange KV with another instance, from its ``/metrics`` (None: not known yet,
+    #: or it does not say; then D's own check decides, vllm_kvp2p/proxy/pairing.py).
+    pairing: PairingKey | None = None
 
     def cached_tokens(self, prompt: PromptBlocks | None) -> int:
         """Leading prompt tokens this instance holds, as far as the proxy can trust its index."""
@@ -63,6 +67,7 @@ class Instance:
             "prefix_hits": self.prefix_hits,
             "hit_tokens": self.hit_tokens,
             **self.work.snapshot(),
+            "pairing": None if self.pairing is None else self.pairing.labels(),
             **self.health.snapshot(now),
         }
         if self.events_endpoint is not None:
@@ -140,11 +145,14 @@ class InstancePool:
     def get(self, url: str) -> Instance:
         return self._by_url[url]
 
-    def acquire(self, exclude: str | None = None, prompt: PromptBlocks | None = None) -> Lease:
-        """Choose an instance for a request and count it there. ``exclude`` (a url) is avoided unless alone."""
+    def acquire(self, exclude: str | None = None, prompt: PromptBlocks | None = None,
+                among: Collection[str] | None = None) -> Lease:
+        """Choose an instance for a request and count it there. ``exclude`` (a url) is avoided unless alone;
+        ``among`` (urls, not empty) restricts the choice to those."""
         with self._lock:
             now = self._clock()
             skip = None if exclude is None else self.instances.index(self._by_url[exclude])
+            allowed = None if among is None else {i for i, inst in enumerate(self.instances) if inst.url in among}
             cached = [inst.cached_tokens(prompt) for inst in self.instances]
             candidates = [
                 Candidate(
@@ -163,6 +171,7 @@ class InstancePool:
                 prefix_weight=self.prefix_weight,
                 cursor=self._cursor,
                 exclude=skip,
+                among=allowed or None,
             )
             return self._lease(i, cached[i], prompt, now)
 

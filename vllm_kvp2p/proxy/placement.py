@@ -24,6 +24,7 @@ from typing import Any
 from vllm_kvp2p.proxy.cost_model import Calibration
 from vllm_kvp2p.proxy.disaggregation import DEFAULT_THRESHOLD_TOKENS, Mode, Objectives, decide
 from vllm_kvp2p.proxy.instances import Instance, InstancePool, Lease, PromptBlocks
+from vllm_kvp2p.proxy.pairing import PairingKey, mismatch
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 
@@ -81,6 +82,9 @@ class Placer:
     clock: Callable[[], float] = time.monotonic
     counts: Counter[tuple[str, str]] = field(default_factory=Counter)
     _cursor: int = 0
+    #: The pairs never formed because the two cannot exchange KV (pairing.py), each logged once.
+    _unpaired: dict[tuple[str, str], str] = field(default_factory=dict)
+    _verdicts: dict[tuple[PairingKey, PairingKey], str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prefill is None and self.mode is not Mode.NEVER:
@@ -103,6 +107,33 @@ class Placer:
         return [*((self.prefill, i, True, False) for i in self.prefill.instances),
                 *((self.decode, i, False, True) for i in self.decode.instances)]
 
+    # -- pairs -----------------------------------------------------------------------------------------------
+
+    def pairable(self, p: Instance, d: Instance) -> bool:
+        """Whether ``p`` may prefill for ``d``: not when their keys say they cannot exchange KV (logged once per
+        pair); yes while either key is unknown (D's own check then refuses a bad pair per request)."""
+        if p is d or p.pairing is None or d.pairing is None:
+            return True
+        verdict_key = (p.pairing, d.pairing)
+        if verdict_key not in self._verdicts:
+            if len(self._verdicts) >= 4096:
+                self._verdicts.clear()
+            self._verdicts[verdict_key] = mismatch(p.pairing, d.pairing)
+        reason = self._verdicts[verdict_key]
+        if reason is None:
+            return True
+        if self._unpaired.get((p.url, d.url)) != reason and len(self._unpaired) < 4096:
+            self._unpaired[p.url, d.url] = reason
+            logger.warning("never pairing prefill instance %s with decode instance %s: they cannot exchange KV: %s",
+                           p.url, d.url, reason)
+        return False
+
+    def _pairing_with(self, pool: InstancePool, other: Instance, *, other_prefills: bool) -> list[str] | None:
+        """The urls of ``pool`` that pair with ``other`` (None: no restriction, when every one does)."""
+        urls = [i.url for i in pool.instances
+                if i is not other and (self.pairable(other, i) if other_prefills else self.pairable(i, other))]
+        return None if len(urls) == len(pool.instances) else urls
+
     # -- placing ---------------------------------------------------------------------------------------------
 
     def place(self, prompt: PromptBlocks | None, objectives: Objectives | None = None) -> Placement:
@@ -113,7 +144,13 @@ class Placer:
             return self._placed(Placement("local", "mode_never", None, d, now), prompt)
         if self.mode is Mode.ALWAYS:
             assert self.prefill is not None
-            p = self.prefill.acquire(prompt=prompt)
+            # Only a P that can prefill for some D (when any can: otherwise D's check says why, per request).
+            useful = [i.url for i in self.prefill.instances
+                      if any(d is not i and self.pairable(i, d) for d in self.decode.instances)]
+            if not useful:  # every pair is known not to work: D computes the prompt (an ordinary request)
+                d = self.decode.acquire(prompt=prompt)
+                return self._placed(Placement("local", "no_prefill_instance", None, d, now), prompt)
+            p = self.prefill.acquire(prompt=prompt, among=useful)
             return self._placed(Placement("pd", "mode_always", p, None, now), prompt)
         roles = self._roles()
         cost = self.calibration.model()
@@ -122,7 +159,8 @@ class Placer:
                                 retry_at=inst.health.retry_at)
                  for _, inst, cp, cd in roles]
         decision = decide(loads, prompt_tokens=None if prompt is None else prompt.num_tokens, cost=cost,
-                          objectives=objectives or self.objectives, threshold=self.threshold, cursor=self._cursor)
+                          objectives=objectives or self.objectives, threshold=self.threshold, cursor=self._cursor,
+                          pairs=lambda p, d: self.pairable(roles[p][1], roles[d][1]))
         self._cursor = (decision.decode + 1) % len(roles)
         d_pool, d_inst, _, _ = roles[decision.decode]
         d = d_pool.acquire_at(d_inst.url, prompt)
@@ -152,10 +190,17 @@ class Placer:
         work.decodes += 1
         placement.decode_assigned_at = work.assigned_tokens
 
-    def decode_leased(self, placement: Placement, lease: Lease) -> None:
-        """``always``: D was chosen after P answered."""
-        placement.decode = lease
-        self._decode_chosen(placement, lease)
+    def lease_decode(self, placement: Placement, prompt: PromptBlocks | None) -> Lease:
+        """``always``: D chosen after P answered, by the decode pool's routing, among the instances that pair with
+        P (never P itself)."""
+        if placement.decode is None:
+            assert placement.prefill is not None and self.prefill is not None
+            p = self._instance(placement.prefill)
+            among = self._pairing_with(self.decode, p, other_prefills=True)
+            lease = self.decode.acquire(prompt=prompt, exclude=p.url if self.kv_both else None, among=among or None)
+            placement.decode = lease
+            self._decode_chosen(placement, lease)
+        return placement.decode
 
     def prefill_moved(self, placement: Placement, lease: Lease) -> None:
         """P went away and the prefill is retried on ``lease``'s instance."""
@@ -219,5 +264,6 @@ class Placer:
             "objectives": None if self.objectives is None else str(self.objectives),
             "threshold_tokens": self.threshold,
             "decisions": {f"{path}/{reason}": n for (path, reason), n in sorted(self.counts.items())},
+            "unpaired": [{"prefill": p, "decode": d, "reason": r} for (p, d), r in sorted(self._unpaired.items())],
             "cost_model": self.calibration.snapshot(),
         }

@@ -20,7 +20,7 @@ failed or was not attempted) ``prefix-aware`` falls back to ``least-outstanding`
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -53,14 +53,17 @@ def choose(
     prefix_weight: float = 1.0,
     cursor: int = 0,
     exclude: int | None = None,
+    among: Collection[int] | None = None,
 ) -> int:
-    """The index of the instance to use. ``exclude`` (an index) is avoided unless it is the only instance."""
+    """The index of the instance to use. ``exclude`` (an index) is avoided unless it is the only instance;
+    ``among`` (indices, not empty) restricts the choice to those (the instances that can pair with a given one)."""
     n = len(candidates)
     if n == 0:
         raise ValueError("no instance to choose from")
     if n == 1:
         return 0
-    allowed = [i for i in range(n) if i != exclude]
+    allowed = [i for i in range(n) if i != exclude and (among is None or i in among)] or [
+        i for i in range(n) if among is None or i in among]
     usable = [i for i in allowed if candidates[i].usable]
     if not usable:
         soonest = min(candidates[i].retry_at for i in allowed)

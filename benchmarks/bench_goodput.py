@@ -581,10 +581,6 @@ def main() -> None:
     results = {w: {s: summarize(points, objectives) for s, points in by_setup.items()}
                for w, by_setup in raw_rows.items()}
     print(report(results, objectives))
-    if args.plot_dir:
-        stem = "bench_goodput" if args.model == "tiny" else f"bench_goodput_{args.model}"
-        for path in plot(results, args.objectives, Path(args.plot_dir), f"goodput, {args.model} model", stem):
-            print(f"[goodput] plot {path}", file=sys.stderr)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "objectives"}
         Path(args.json).write_text(json.dumps({"settings": settings, "objectives": args.objectives,
@@ -592,6 +588,10 @@ def main() -> None:
                                                "auto_both": "one proxy per objective (--slo); each objective's "
                                                "goodput from its own proxy's run (runs: per_objective)",
                                                "results": results, "runs": raw_rows}, indent=1))
+    if args.plot_dir:  # after the JSON: a missing matplotlib loses no hours of runs
+        stem = "bench_goodput" if args.model == "tiny" else f"bench_goodput_{args.model}"
+        for path in plot(results, args.objectives, Path(args.plot_dir), f"goodput, {args.model} model", stem):
+            print(f"[goodput] plot {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

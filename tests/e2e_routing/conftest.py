@@ -7,6 +7,8 @@ The engines set ``PYTHONHASHSEED`` and the routing proxy gets the same ``--hash-
 random per-process seed without it, so no router could match its hashes (vLLM 0.32's fixed default is covered by
 tests/unit/test_kv_events_vllm.py). Each P keeps 64 blocks of KV (4 MiB, one of them vLLM's null block): a few
 prompts evict the oldest. Both proxies run with ``--cache-headers``: the tests read the cached-token counts.
+The two P engines are started as ``kv_both`` (D's test hooks on): every routing test uses them as P, and
+test_kv_both_end_to_end.py as P and D of each other at once, behind proxies of its own (``--kv-both``).
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ class RoutingCluster:
 
 
 def _engine(model: object, name: str, role: str, cpus: str, logs: object, extra: tuple[str, ...], env: dict[str, str],
-            events: dict[str, tuple[int, int]]) -> VllmServer:
+            events: dict[str, tuple[int, int]], **extra_config: object) -> VllmServer:
     pub, replay = free_port(), free_port()
     server = VllmServer(
         model, free_port(), cpus=cpus, log_path=logs / f"{name}.log",  # type: ignore[operator]
-        extra_args=("--kv-transfer-config", kv_transfer_config(role, "recompute" if role == "kv_consumer" else "fail"),
+        extra_args=("--kv-transfer-config",
+                    kv_transfer_config(role, "recompute" if role == "kv_consumer" else "fail", **extra_config),
                     "--kv-events-config", kv_events_config(pub, replay), *extra),
         env={"MC_LOG_LEVEL": "ERROR", "PYTHONHASHSEED": HASH_SEED, **env},
         ready_timeout=400,
@@ -78,9 +81,11 @@ def routing_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routin
     events: dict[str, tuple[int, int]] = {}
     small_kv = ("--kv-cache-memory-bytes", str(P_KV_BYTES), "--max-model-len", "1024")  # 63 blocks + the null one
     p_env = {"VLLM_KVP2P_HOLD_TIMEOUT": "30", "VLLM_KVP2P_TRANSFER_TIMEOUT": "20"}
+    # kv_both (with D's test hooks): the routing tests use them as P; tests/e2e_routing/test_kv_both_end_to_end.py
+    # as P and D of each other at once.
     producers = [
-        _engine(model, f"prefill{i}", "kv_producer", str(i), logs, small_kv,
-                {**p_env, "VLLM_KVP2P_SIDE_CHANNEL_PORT": str(free_port())}, events)
+        _engine(model, f"prefill{i}", "kv_both", str(i), logs, small_kv,
+                {**p_env, "VLLM_KVP2P_SIDE_CHANNEL_PORT": str(free_port())}, events, test_hooks=True)
         for i in range(2)
     ]
     decode = _engine(model, "decode", "kv_consumer", "0", logs, (), {"VLLM_KVP2P_TRANSFER_TIMEOUT": "20"}, events)

@@ -45,6 +45,8 @@ class Placement:
     #: D's counter of prefill tokens assigned, when D was chosen (what D prefilled while this one decoded).
     decode_assigned_at: int = 0
     prefill_open: bool = False
+    #: The requests decoding on D when this one's first token came (the batch its decode steps ran at).
+    decodes_at_first_token: int = 1
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
 
@@ -221,23 +223,26 @@ class Placer:
         self._end_prefill(placement)
 
     def stream_ended(self, placement: Placement, times: StreamTimes) -> None:
-        """A relayed stream closed: its first token ends a local prefill (and measures it, or the hop), its
-        later tokens measure a decode step."""
-        if times.first_ms is not None:
-            if placement.path == "local" and placement.prefill_open:
-                self.calibration.prefill_took(placement.tokens_ahead, times.first_ms - placement.placed_ms)
-            elif placement.path == "pd":
-                self.calibration.hop_took(times.first_ms - times.asked_ms)
+        """A relayed stream closed: a P/D stream's first token measured the hop; its later tokens measure a decode
+        step at the batch D ran when its first token came."""
+        if times.first_ms is not None and placement.path == "pd":
+            self.calibration.hop_took(times.first_ms - times.asked_ms)
         if times.first_ms is not None and times.last_ms is not None and times.events >= 1 and placement.decode:
             work = self._instance(placement.decode).work
             meanwhile = max(0, work.assigned_tokens - placement.decode_assigned_at)
             cost = self.calibration.model()
-            self.calibration.decode_took(work.decodes, times.events, times.last_ms - times.first_ms,
-                                         meanwhile * cost.prefill_ms_per_token)
+            self.calibration.decode_took(placement.decodes_at_first_token, times.events,
+                                         times.last_ms - times.first_ms, meanwhile * cost.prefill_ms_per_token)
 
     def first_token(self, placement: Placement) -> None:
-        """D's first token of a local request: the prompt is computed."""
+        """D's first token: a local request's prompt is computed (and that took this long)."""
+        if placement.path == "local" and placement.prefill_open:
+            self.calibration.prefill_took(placement.tokens_ahead, self._now_ms() - placement.placed_ms)
         self._end_prefill(placement)
+        if placement.decode is not None:
+            work = self._instance(placement.decode).work
+            placement.decodes_at_first_token = work.decodes
+            placement.decode_assigned_at = work.assigned_tokens
 
     def done(self, placement: Placement) -> None:
         """The request left the proxy, however: nothing it was counted for stays counted."""

@@ -150,7 +150,7 @@ def create_app(
             mode.value,
             "" if mode is not Mode.AUTO else f" by {objectives}" if objectives
             else f" by a {threshold}-token threshold",
-            "" if hasher is None else f" by KV events (hash {hasher.algorithm})",
+            "" if hasher is None or not with_events else f" by KV events (hash {hasher.algorithm})",
         )
         try:
             yield

@@ -22,8 +22,10 @@ measured state of every instance (:class:`InstanceLoad`) and a cost model calibr
 
 Each placement's *score* is the largest of those figures divided by its objective: at or under 1 it meets every
 objective the proxy can predict. Among the placements that do, D computing the prompt wins (no second hop, no
-hold, no second engine's work), then the least prefill work (a cached prefix), then the lowest score; when none
-does, the lowest score (the least damage). So a short prompt or an idle fleet stays
+hold, no second engine's work), then the least prefill work (a cached prefix), then the lowest score. When none
+does (the fleet is loaded), the roles split: the prompt is prefilled on the instance with the fewest decodes and
+decoded on the one prefilling least (:func:`_split_roles`), which under load settles the instances into prefill
+and decode roles. So a short prompt or an idle fleet stays
 local (no second hop), a long prompt under a tight TPOT goes to the instance whose decodes it hurts least, and
 with ``kv_both`` instances the prefill:decode split follows the load: an instance busy prefilling stops being
 chosen as D (its decodes would be stretched) and the others stop prefilling (theirs would).
@@ -240,7 +242,8 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
         harm = cost.tpot_ms(loads[p].decodes, share(p, prefill_on(p))) if loads[p].decodes else 0.0
         part = max((ttft + cost.hop_ms) / objectives.ttft_ms, harm / objectives.tpot_ms)
         remote.append((part, ttft, harm, p))
-    remote.sort(key=lambda r: (r[0], loads[r[3]].backlog_ms, (r[3] - cursor) % n))
+    # A P that meets the objectives first; then the one with the fewest decodes (prefills go where decodes are not).
+    remote.sort(key=lambda r: (r[0] > 1.0, loads[r[3]].decodes, r[0], loads[r[3]].backlog_ms, (r[3] - cursor) % n))
     best: _Placement | None = None
     for d in decoders:
         # The request's own decode is stretched by the prefills D does meanwhile, not by its own (done before its
@@ -261,10 +264,33 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
                 best = c
     assert best is not None
     reason = "slo_met" if best.score <= 1.0 else "slo_best_effort"
+    if best.score > 1.0:
+        split = _split_roles(decoders, p_usable, loads, pairs, cursor)
+        if split is not None:  # nothing meets the objectives: separate prefill from decode (below)
+            p, d = split
+            ttft = loads[p].backlog_ms + prefill_on(p) + cost.hop_ms
+            tpot = cost.tpot_ms(loads[d].decodes + 1, share(d))
+            return Decision(d, p, reason, ttft, tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms))
     if best.prefill is None and not _usable([i for i in prefillers if i != best.decode and pairs(i, best.decode)],
                                             loads):
         reason = "no_prefill_instance"
     return Decision(best.decode, best.prefill, reason, best.ttft_ms, best.tpot_ms, best.score)
+
+
+def _split_roles(decoders: list[int], prefillers: list[int], loads: Sequence[InstanceLoad],
+                 pairs: Callable[[int, int], bool], cursor: int) -> tuple[int, int] | None:
+    """When no placement meets the objectives (the fleet is loaded): P/D, the prompt prefilled on the instance with
+    the fewest decodes (then the one prefilling most already) and decoded on the one prefilling least. Each choice
+    makes the next the same: P's decodes drain and D's prefill share falls, so the instances settle into a prefill
+    and a decode role, which is what removes the interference once it decides (DistServe); scoring each placement
+    on its own would instead spread the prefills evenly, each stretching some instance's decodes. As the load falls
+    the placements meet the objectives again and the roles dissolve into local requests."""
+    n = len(loads)
+    for p in sorted(prefillers, key=lambda i: (loads[i].decodes, -loads[i].recent_prefill_ms, (i - cursor) % n)):
+        ds = [d for d in decoders if d != p and pairs(p, d)]
+        if ds:
+            return p, min(ds, key=lambda i: (loads[i].recent_prefill_ms, loads[i].decodes, (i - cursor) % n))
+    return None
 
 
 def _better(a: _Placement, b: _Placement, cursor: int, n: int) -> bool:

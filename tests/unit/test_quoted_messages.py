@@ -73,6 +73,41 @@ def config_with_env(**env: str) -> KVP2PConfig:
 # ---------------------------------------------------------------- messages that need a set-up
 
 
+def _never_pairing(caplog_records: list[str]) -> str:
+    """The proxy's WARNING for a pair it will never form (two instances of different models)."""
+    import dataclasses
+    import logging
+
+    from vllm_kvp2p.pairing_key import PairingKey
+    from vllm_kvp2p.proxy.disaggregation import Mode
+    from vllm_kvp2p.proxy.instances import InstancePool
+    from vllm_kvp2p.proxy.placement import Placer
+
+    key = PairingKey(role="both", protocol_version=1, model_fingerprint="3f" * 8, kv_cache_dtype="float32",
+                     use_mla=False, draft="none", block_size=32, linear_state=False, tp_size=1, pp_size=1)
+    pool = InstancePool(["http://a:8100", "http://b:8200"])
+    pool.instances[0].pairing = key
+    pool.instances[1].pairing = dataclasses.replace(key, model_fingerprint="9c" * 8)
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caplog_records.append(record.getMessage())
+
+    handler = Capture()
+    logging.getLogger("vllm_kvp2p.proxy").addHandler(handler)
+    try:
+        assert not Placer(pool, pool, Mode.AUTO).pairable(*pool.instances)
+    finally:
+        logging.getLogger("vllm_kvp2p.proxy").removeHandler(handler)
+    return caplog_records[-1]
+
+
+def _slo_refused() -> str:
+    from vllm_kvp2p.proxy.disaggregation import Objectives, ObjectivesError
+
+    return raised(lambda: Objectives.parse("ttft=300ms"), ObjectivesError)
+
+
 HYBRID = (KVGroup(FULL, 16), KVGroup(SLIDING, 16, 40))  # D of a model with sliding-window and full layers
 
 
@@ -324,6 +359,11 @@ CASES = [
     Quoted("security.md",
            "... LoRA adapter '<name>' (id <n>): its files in <directory> changed since this engine first read them "
            "(...)", lambda tmp_path: _lora_refusal(tmp_path, changed=True), part=True),
+    Quoted("routing.md",
+           "never pairing prefill instance http://a:8100 with decode instance http://b:8200: they cannot exchange KV: "
+           "model fingerprint: P 3f…, D 9c… (the same model on both, vllm_kvp2p/identity.py)",
+           lambda: _never_pairing([])),
+    Quoted("routing.md", "--slo='ttft=300ms': tpot missing (give both: ttft=<time>,tpot=<time>)", _slo_refused),
 ]
 
 

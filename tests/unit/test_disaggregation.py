@@ -239,3 +239,29 @@ def test_instance_work_queue_and_decaying_share() -> None:
                      outstanding=0, retry_at=0.0)
     assert load.backlog_ms == 0.0
     assert load.recent_prefill_ms == pytest.approx(500.0 / 2.718281828, rel=1e-6)  # one window later: 1/e of it
+
+
+def test_a_loaded_fleet_splits_into_roles_and_keeps_them() -> None:
+    """Nothing meets a tight TPOT objective (both instances decode and prefill): the prompt is prefilled on the
+    instance with fewer decodes and decoded on the one prefilling less; applying that decision again (P's prefill
+    share up, its decodes draining; D's decodes up) keeps the same roles while the fleet stays loaded."""
+    loads = [both(decodes=6, recent_prefill_ms=900.0), both(decodes=9, recent_prefill_ms=1100.0)]
+    for step in range(5):
+        d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL)
+        assert (d.prefill, d.decode) == (0, 1), (step, d)
+        p, dd = loads[0], loads[1]
+        loads[0] = dataclasses.replace(p, recent_prefill_ms=min(1900.0, p.recent_prefill_ms + 150.0),
+                                       decodes=max(0, p.decodes - 1))
+        loads[1] = dataclasses.replace(dd, decodes=dd.decodes + 1)
+    # P without decodes: its prefills stretch nobody's, and the placement meets the objectives again.
+    loads[0] = dataclasses.replace(loads[0], decodes=0)
+    loads[1] = dataclasses.replace(loads[1], recent_prefill_ms=600.0)  # room for decodes, none for a prefill
+    d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL)
+    assert (d.prefill, d.decode, d.reason) == (0, 1, "slo_met"), d
+
+
+def test_roles_dissolve_when_the_load_falls() -> None:
+    """The same fleet, idle again: computed where it decodes."""
+    loads = [both(recent_prefill_ms=10.0), both(decodes=1)]
+    d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL)
+    assert d.path == "local" and d.reason == "slo_met"

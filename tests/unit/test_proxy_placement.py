@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.unit.test_proxy import CLIENT_TIMEOUT, ServerThread
+from tests.unit.test_proxy import CLIENT_TIMEOUT, ServerThread, closed_port_url
 from vllm_kvp2p.pairing_key import METRIC, PairingKey
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances, resolve_placing
 from vllm_kvp2p.proxy.disaggregation import Mode, Objectives
@@ -337,3 +337,20 @@ def test_no_pair_at_all_computes_where_it_decodes(engines: list[BothStub], proxy
     finally:
         for s in engines:
             s.pairing = None
+
+
+def test_a_prefill_retried_after_p_went_away_is_never_on_d(engines: list[BothStub], proxy: Callable[..., str]
+                                                           ) -> None:
+    """kv_both: P went away before answering (the first instance, the first P routing picks); the one retry goes
+    to another instance, and D is never the instance that prefilled (a kv_both instance does not pull from itself;
+    Placer.retry_prefill, which auto's retries share)."""
+    url = proxy(kv_both=True, disaggregate=Mode.ALWAYS, decode=[closed_port_url(), engines[0].url, engines[1].url])
+    for _ in range(8):
+        r = post(url, LONG)
+        if r.status_code == 502:  # the dead instance chosen as D: not retried (D may have begun), then skipped
+            assert "decode instance" in r.json()["error"]["message"], r.text
+            continue
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvp2p-prefill-instance"] != r.headers["x-kvp2p-decode-instance"]
+    assert health(url)["prefill_retries"] >= 1
+    settled(url)

@@ -297,8 +297,7 @@ class PDProxy:
         else:
             self.placer.prefill_answered(placement)
             return first, kv
-        retry = self._p_pool.acquire(exclude=first.url, prompt=prompt)
-        self.placer.prefill_moved(placement, retry)
+        retry = self.placer.retry_prefill(placement, prompt)
         self.prefill_retries += 1
         logger.warning(
             "request %s: prefill instance %s went away before answering (%s); retrying once on %s",

@@ -204,8 +204,21 @@ class Placer:
             self._decode_chosen(placement, lease)
         return placement.decode
 
-    def prefill_moved(self, placement: Placement, lease: Lease) -> None:
-        """P went away and the prefill is retried on ``lease``'s instance."""
+    def retry_prefill(self, placement: Placement, prompt: PromptBlocks | None) -> Lease:
+        """P went away before answering: another P for the one retry, by the prefill pool's routing, never the
+        instance that went away nor D (a ``kv_both`` instance does not pull from itself), and one that pairs with D
+        when D is chosen already."""
+        assert placement.prefill is not None and self.prefill is not None
+        gone = placement.prefill.url
+        d = None if placement.decode is None else self._instance(placement.decode)
+        among = [i.url for i in self.prefill.instances
+                 if i.url != gone and (d is None or (i is not d and self.pairable(i, d)))]
+        lease = self.prefill.acquire(exclude=gone, prompt=prompt, among=among or None)
+        self._prefill_moved(placement, lease)
+        return lease
+
+    def _prefill_moved(self, placement: Placement, lease: Lease) -> None:
+        """The prefill is retried on ``lease``'s instance."""
         self._end_prefill(placement)
         placement.prefill = lease
         work = self._instance(lease).work

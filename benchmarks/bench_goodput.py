@@ -291,7 +291,8 @@ def running(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
 
 @contextmanager
 def front(setup: str, servers: list[VllmServer], model: Path, logs: Path, slo: str | None = None,
-          name: str | None = None) -> Iterator[tuple[str, dict[str, int], ProxyProcess | None]]:
+          name: str | None = None, threshold: int = 256,
+          ) -> Iterator[tuple[str, dict[str, int], ProxyProcess | None]]:
     """Start what ``setup`` puts in front of its running ``servers`` (``slo``: auto-both's ``--slo``); yield the
     URL the benchmark talks to, the process groups to account CPU to and the proxy (None for a router or no
     front); stop it at the end."""
@@ -306,7 +307,7 @@ def front(setup: str, servers: list[VllmServer], model: Path, logs: Path, slo: s
             proc = Router(urls[0], urls[1], logs / "pd-router.log")
         elif setup in KV_BOTH:
             extra = ("--kv-both", *urls, "--disaggregate", "auto", "--tokenizer", str(model),
-                     *(("--slo", slo) if slo else ()))
+                     *(("--slo", slo) if slo else ()), "--disaggregate-threshold", str(threshold))
             proc = ProxyProcess.start([], [], logs / f"{name or setup}-proxy.log", extra_args=extra)
         labels = {"single2": ["engine"]}.get(setup, ["P", "D"] if setup.startswith("pd-") else ["engine0", "engine1"])
         groups = {label: s.pid for label, s in zip(labels, servers, strict=True) if s.pid is not None}
@@ -538,6 +539,9 @@ def main() -> None:
     parser.add_argument("--objectives", nargs="*", default=[], help="name=ttft:MS,tpot:MS (adds or replaces)")
     parser.add_argument("--model", choices=list(MODELS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threshold", type=int, default=256,
+                        help="the kv_both proxies' --disaggregate-threshold (threshold-both decides by it; auto-both "
+                        "until calibrated) (%(default)s)")
     parser.add_argument("--run-timeout", type=float, default=900)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None)
@@ -565,7 +569,7 @@ def main() -> None:
                 by_objective: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
                 for objective, slo in variants:
                     tag = setup if objective is None else f"{setup}-{objective}"
-                    with front(setup, servers, model, logs, slo, tag) as (url, groups, proxy):
+                    with front(setup, servers, model, logs, slo, tag, args.threshold) as (url, groups, proxy):
                         points = measure(tag, url, model, args, logs, servers if kind == "kv_both" else None,
                                          proxy, groups)
                     if objective is None:

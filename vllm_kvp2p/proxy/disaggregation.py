@@ -223,7 +223,8 @@ def _by_threshold(decoders: list[int], prefillers: list[int], loads: Sequence[In
 def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[InstanceLoad], prompt_tokens: int,
                    cost: CostModel, objectives: Objectives, cursor: int, pairs: Callable[[int, int], bool]
                    ) -> Decision:
-    """The placement with the smallest score (module doc); local first among equals."""
+    """The best placement that meets the objectives (:func:`_better`), or the split roles when none does (module
+    doc)."""
     n = len(loads)
     window = max(1.0, cost.share_window_ms)
 
@@ -234,7 +235,7 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
         return cost.prefill_ms(prompt_tokens - loads[i].cached_tokens)
 
     # What a prefill on p does to p's own decodes, and its TTFT there, do not depend on D (when p != D): score each
-    # P once, keep the best two (the best may be the D in question).
+    # P once, in order; each D takes the first that is not itself and pairs with it.
     p_usable = _usable(prefillers, loads)
     remote: list[tuple[float, float, float, int]] = []  # (part of the score, ttft without the hop, p's tpot, p)
     for p in p_usable:

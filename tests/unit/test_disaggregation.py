@@ -265,3 +265,26 @@ def test_roles_dissolve_when_the_load_falls() -> None:
     loads = [both(recent_prefill_ms=10.0), both(decodes=1)]
     d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL)
     assert d.path == "local" and d.reason == "slo_met"
+
+
+def test_what_an_instance_s_streams_showed_overrules_a_rosier_model() -> None:
+    """The model says a local prefill on the idle-looking instance 1 fits; its streams lately had a TPOT over the
+    objective (what the model does not see: another tenant, a slower device, a tail): no longer local there."""
+    loads = [both(can_decode=False), both(decodes=2)]
+    assert decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL).path == "local"
+    loads[1] = dataclasses.replace(loads[1], observed_tpot_ms=26.0)
+    d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_ITL)
+    assert (d.prefill, d.decode) == (0, 1) and d.reason == "slo_best_effort", d  # the split: the best left
+
+
+def test_observed_tpot_counts_only_recent_streams() -> None:
+    work = InstanceWork()
+    for i in range(3):
+        work.tpot_seen(1000.0 * i, 10.0 + i)
+    assert work.observed_tpot_ms(3000.0) is None  # too few
+    work.tpot_seen(3000.0, 30.0)
+    assert work.observed_tpot_ms(3000.0) == 30.0  # the 90th percentile of 10, 11, 12, 30
+    assert work.observed_tpot_ms(12_500.0) is None  # 10 s on: the first three have aged out
+    for bad in (float("nan"), -1.0, 1e12):
+        work.tpot_seen(4000.0, bad)
+    assert len(work._tpots) == 4

@@ -22,6 +22,7 @@ devices would want a fit per instance (docs/routing.md lists it as not done).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_kvp2p.proxy.disaggregation import CostModel, InstanceLoad
@@ -37,6 +38,11 @@ PRIOR = CostModel(prefill_base_ms=20.0, prefill_ms_per_token=0.1, step_ms=10.0, 
                   hop_ms=20.0, share_window_ms=DEFAULT_SHARE_WINDOW_MS, calibrated=False)
 #: Observations outside these are dropped (a stalled request, a clock step): they would wreck a fit.
 MAX_OBSERVED_MS = 600_000.0
+#: The TPOTs a stream measured on an instance that count for it, ms (older ones say nothing of its load now), how
+#: many are kept, and how many it takes before they count at all.
+OBSERVED_TPOT_WINDOW_MS = 10_000.0
+OBSERVED_TPOTS_KEPT = 64
+MIN_OBSERVED_TPOTS = 4
 
 
 class LinearFit:
@@ -120,18 +126,31 @@ class InstanceWork:
     queued_tokens: int = 0
     queued_prefills: int = 0
     decodes: int = 0
-    #: Prefill tokens and prefills assigned lately, decayed to ``_at`` (ms on the proxy's clock).
+    #: Prefill tokens assigned lately, decayed to ``_at`` (ms on the proxy's clock).
     _recent_tokens: float = 0.0
-    _recent_prefills: float = 0.0
     _at: float = 0.0
     #: Every prefill token ever assigned (a stream's prefill-meanwhile is the difference of two readings).
     assigned_tokens: int = 0
+    #: (when, TPOT) of the streams decoded here lately, as the proxy measured them: what the objectives bind.
+    _tpots: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=OBSERVED_TPOTS_KEPT))
+
+    def tpot_seen(self, now_ms: float, tpot_ms: float) -> None:
+        if math.isfinite(tpot_ms) and 0 <= tpot_ms <= MAX_OBSERVED_MS:
+            self._tpots.append((now_ms, tpot_ms))
+
+    def observed_tpot_ms(self, now_ms: float) -> float | None:
+        """The 90th percentile of the TPOTs measured here within the last :data:`OBSERVED_TPOT_WINDOW_MS` (a
+        prediction is a mean; an objective binds each request), or None with fewer than
+        :data:`MIN_OBSERVED_TPOTS` of them."""
+        recent = sorted(t for at, t in self._tpots if now_ms - at <= OBSERVED_TPOT_WINDOW_MS)
+        if len(recent) < MIN_OBSERVED_TPOTS:
+            return None
+        return recent[min(len(recent) - 1, int(0.9 * len(recent)))]
 
     def _decay(self, now_ms: float, window_ms: float) -> None:
         if now_ms > self._at:
             keep = math.exp(-(now_ms - self._at) / window_ms)
             self._recent_tokens *= keep
-            self._recent_prefills *= keep
             self._at = now_ms
 
     def prefill_placed(self, tokens: int, now_ms: float, window_ms: float) -> None:
@@ -139,7 +158,6 @@ class InstanceWork:
         self.queued_tokens += tokens
         self.queued_prefills += 1
         self._recent_tokens += tokens
-        self._recent_prefills += 1
         self.assigned_tokens += tokens
 
     def prefill_ended(self, tokens: int) -> None:
@@ -154,9 +172,11 @@ class InstanceWork:
             usable=usable, can_prefill_for_others=can_prefill_for_others, can_decode=can_decode,
             cached_tokens=cached_tokens,
             backlog_ms=self.queued_prefills * cost.prefill_base_ms + self.queued_tokens * cost.prefill_ms_per_token,
-            recent_prefill_ms=self._recent_prefills * cost.prefill_base_ms
-            + self._recent_tokens * cost.prefill_ms_per_token,
-            decodes=self.decodes, outstanding=outstanding, retry_at=retry_at)
+            # Only the per-token part takes engine steps from the decodes; a request's fixed cost is mostly its way
+            # through the API server (it counts in TTFT: backlog_ms).
+            recent_prefill_ms=self._recent_tokens * cost.prefill_ms_per_token,
+            decodes=self.decodes, outstanding=outstanding, retry_at=retry_at,
+            observed_tpot_ms=self.observed_tpot_ms(now_ms))
 
     def snapshot(self) -> dict[str, int]:
         return {"queued_prefill_tokens": self.queued_tokens, "queued_prefills": self.queued_prefills,

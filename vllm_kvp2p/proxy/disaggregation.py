@@ -153,6 +153,8 @@ class InstanceLoad:
     outstanding: int
     #: When a skipped instance may be tried again (used only when none is usable).
     retry_at: float = 0.0
+    #: The TPOT its recent streams had (90th percentile), ms; None when too few were measured lately.
+    observed_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -234,13 +236,20 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
     def prefill_on(i: int) -> float:  # this prompt's prefill on i, ms
         return cost.prefill_ms(prompt_tokens - loads[i].cached_tokens)
 
+    def tpot_on(i: int, decodes: int, added_ms: float = 0.0) -> float:
+        """A decode's TPOT on i: the model's, or what i's streams measured lately when that is worse (the model
+        predicts a mean and misses what it does not see; the objective binds each request)."""
+        predicted = cost.tpot_ms(decodes, share(i, added_ms))
+        seen = loads[i].observed_tpot_ms
+        return predicted if seen is None else max(predicted, seen)
+
     # What a prefill on p does to p's own decodes, and its TTFT there, do not depend on D (when p != D): score each
     # P once, in order; each D takes the first that is not itself and pairs with it.
     p_usable = _usable(prefillers, loads)
     remote: list[tuple[float, float, float, int]] = []  # (part of the score, ttft without the hop, p's tpot, p)
     for p in p_usable:
         ttft = loads[p].backlog_ms + prefill_on(p)
-        harm = cost.tpot_ms(loads[p].decodes, share(p, prefill_on(p))) if loads[p].decodes else 0.0
+        harm = tpot_on(p, loads[p].decodes, prefill_on(p) - cost.prefill_base_ms) if loads[p].decodes else 0.0
         part = max((ttft + cost.hop_ms) / objectives.ttft_ms, harm / objectives.tpot_ms)
         remote.append((part, ttft, harm, p))
     # A P that meets the objectives first; then the one with the fewest decodes (prefills go where decodes are not).
@@ -249,12 +258,12 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
     for d in decoders:
         # The request's own decode is stretched by the prefills D does meanwhile, not by its own (done before its
         # first token); D's running decodes are stretched by its own too when D computes it.
-        own_tpot = cost.tpot_ms(loads[d].decodes + 1, share(d))
-        local_ms = prefill_on(d)
-        ttft = loads[d].backlog_ms + local_ms
-        tpot = max(own_tpot, cost.tpot_ms(loads[d].decodes + 1, share(d, local_ms)) if loads[d].decodes else 0.0)
+        own_tpot = tpot_on(d, loads[d].decodes + 1)
+        local_ms = prefill_on(d) - cost.prefill_base_ms  # the part that takes D's steps (cost_model.py)
+        ttft = loads[d].backlog_ms + prefill_on(d)
+        tpot = max(own_tpot, tpot_on(d, loads[d].decodes + 1, local_ms) if loads[d].decodes else 0.0)
         candidates = [_Placement(d, None, ttft, own_tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms),
-                                 loads[d].outstanding, local_ms)]
+                                 loads[d].outstanding, prefill_on(d))]
         other = next((r for r in remote if r[3] != d and pairs(r[3], d)), None)
         if other is not None:
             part, p_ttft, _, p = other
@@ -270,7 +279,7 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
         if split is not None:  # nothing meets the objectives: separate prefill from decode (below)
             p, d = split
             ttft = loads[p].backlog_ms + prefill_on(p) + cost.hop_ms
-            tpot = cost.tpot_ms(loads[d].decodes + 1, share(d))
+            tpot = tpot_on(d, loads[d].decodes + 1)
             return Decision(d, p, reason, ttft, tpot, max(ttft / objectives.ttft_ms, tpot / objectives.tpot_ms))
     if best.prefill is None and not _usable([i for i in prefillers if i != best.decode and pairs(i, best.decode)],
                                             loads):

@@ -242,6 +242,7 @@ class Placer:
             self.calibration.hop_took(times.first_ms - times.asked_ms)
         if times.first_ms is not None and times.last_ms is not None and times.events >= 1 and placement.decode:
             work = self._instance(placement.decode).work
+            work.tpot_seen(times.last_ms, (times.last_ms - times.first_ms) / times.events)
             meanwhile = max(0, work.assigned_tokens - placement.decode_assigned_at)
             cost = self.calibration.model()
             self.calibration.decode_took(placement.decodes_at_first_token, times.events,

@@ -288,3 +288,11 @@ def test_observed_tpot_counts_only_recent_streams() -> None:
     for bad in (float("nan"), -1.0, 1e12):
         work.tpot_seen(4000.0, bad)
     assert len(work._tpots) == 4
+
+
+def test_when_ttft_is_what_fails_the_roles_do_not_split() -> None:
+    """Loaded by prefills (queues past the TTFT objective everywhere, TPOT fine): splitting would leave one
+    instance to prefill on; the least damaging placement is taken instead, computed where it decodes."""
+    loads = [both(backlog_ms=3000.0, decodes=1), both(backlog_ms=2500.0, decodes=1)]
+    d = decide(loads, prompt_tokens=960, cost=SMALL, objectives=TIGHT_TTFT)
+    assert (d.reason, d.path, d.decode) == ("slo_best_effort", "local", 1), d

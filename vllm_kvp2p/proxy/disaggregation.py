@@ -23,9 +23,10 @@ measured state of every instance (:class:`InstanceLoad`) and a cost model calibr
 Each placement's *score* is the largest of those figures divided by its objective: at or under 1 it meets every
 objective the proxy can predict. Among the placements that do, D computing the prompt wins (no second hop, no
 hold, no second engine's work), then the least prefill work (a cached prefix), then the lowest score. When none
-does (the fleet is loaded), the roles split: the prompt is prefilled on the instance with the fewest decodes and
-decoded on the one prefilling least (:func:`_split_roles`), which under load settles the instances into prefill
-and decode roles. So a short prompt or an idle fleet stays
+does (the fleet is loaded) and TPOT is what fails, the roles split: the prompt is prefilled on the instance with
+the fewest decodes and decoded on the one prefilling least (:func:`_split_roles`), which under load settles the
+instances into prefill and decode roles; when TTFT is what fails, the placement with the lowest score (splitting
+would leave the prompts fewer instances to prefill on). So a short prompt or an idle fleet stays
 local (no second hop), a long prompt under a tight TPOT goes to the instance whose decodes it hurts least, and
 with ``kv_both`` instances the prefill:decode split follows the load: an instance busy prefilling stops being
 chosen as D (its decodes would be stretched) and the others stop prefilling (theirs would).
@@ -274,7 +275,9 @@ def _by_objectives(decoders: list[int], prefillers: list[int], loads: Sequence[I
                 best = c
     assert best is not None
     reason = "slo_met" if best.score <= 1.0 else "slo_best_effort"
-    if best.score > 1.0:
+    # Nothing meets the objectives. Where TPOT binds, split the roles: that removes the interference. Where TTFT
+    # binds, splitting would leave the prompts fewer instances to prefill on: the least damaging placement instead.
+    if best.score > 1.0 and best.ttft_ms / objectives.ttft_ms < best.score:
         split = _split_roles(decoders, p_usable, loads, pairs, cursor)
         if split is not None:  # nothing meets the objectives: separate prefill from decode (below)
             p, d = split

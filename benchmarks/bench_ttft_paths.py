@@ -10,7 +10,8 @@ it decodes, and ``--disaggregate always``. One request at a time (``--gap`` apar
 
 - **single**: straight to engine 0, no proxy: one ordinary instance;
 - **auto-local**: through the ``auto`` proxy, which computes it on the instance it decodes on (checked: the
-  answer's ``X-KVP2P-Path`` says ``local``);
+  answer's ``X-KVP2P-Path`` says ``local``; its threshold set past any prompt, so that the requests before its
+  cost model is calibrated are local too);
 - **pd**: through the ``always`` proxy: prefilled on one, pulled and decoded by the other.
 
 TTFT is the client's: request sent to the first streamed chunk that carries a token (bench_ttft_timeline.py's
@@ -83,8 +84,9 @@ def main() -> None:
             s.wait_ready()
         urls = [s.url for s in servers]
         common = ("--kv-both", *urls, "--tokenizer", str(model))
+        # Loose objectives, and a threshold no prompt reaches for the requests before the cost model is calibrated.
         proxies["auto-local"] = ProxyProcess.start([], [], logs / "auto.log", extra_args=(
-            *common, "--disaggregate", "auto", "--slo", "ttft=60s,tpot=10s"))
+            *common, "--disaggregate", "auto", "--slo", "ttft=60s,tpot=10s", "--disaggregate-threshold", "1000000"))
         proxies["pd"] = ProxyProcess.start([], [], logs / "always.log", extra_args=(
             *common, "--disaggregate", "always"))
         fronts = {"single": servers[0].url, **{k: p.url for k, p in proxies.items()}}

@@ -28,7 +28,7 @@ Setups, on a 2-core machine (every process pinned):
   its own objective counts. Its rows in ``runs`` hold, per objective, the run of that objective's proxy
   (``per_objective``), and at the top the goodput each objective's own run reached (``goodput_from``);
 - ``threshold-both``: the same ``kv_both`` engines behind ``--kv-both --disaggregate auto`` without ``--slo``
-  (P/D when the decode instance lacks ``--disaggregate-threshold`` prompt tokens, default 256), run once.
+  (P/D when the decode instance lacks ``--threshold`` prompt tokens), run once.
 
 The two ``kv_both`` setups share their engines; their prompts repeat from proxy to proxy, so both engines' prefix
 caches are emptied before each of their points (``POST /reset_prefix_cache``, vLLM's dev mode). Their proxies
@@ -82,6 +82,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import SERVE_BENCH, Router, _bin  # noqa: E402
 
+from vllm_kvp2p.proxy.disaggregation import DEFAULT_THRESHOLD_TOKENS  # noqa: E402
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config  # noqa: E402
 from vllm_kvp2p.testing.server import VllmServer, free_port  # noqa: E402
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama  # noqa: E402
@@ -291,7 +292,7 @@ def running(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
 
 @contextmanager
 def front(setup: str, servers: list[VllmServer], model: Path, logs: Path, slo: str | None = None,
-          name: str | None = None, threshold: int = 256,
+          name: str | None = None, threshold: int = DEFAULT_THRESHOLD_TOKENS,
           ) -> Iterator[tuple[str, dict[str, int], ProxyProcess | None]]:
     """Start what ``setup`` puts in front of its running ``servers`` (``slo``: auto-both's ``--slo``); yield the
     URL the benchmark talks to, the process groups to account CPU to and the proxy (None for a router or no
@@ -539,7 +540,7 @@ def main() -> None:
     parser.add_argument("--objectives", nargs="*", default=[], help="name=ttft:MS,tpot:MS (adds or replaces)")
     parser.add_argument("--model", choices=list(MODELS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threshold", type=int, default=256,
+    parser.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD_TOKENS,
                         help="the kv_both proxies' --disaggregate-threshold (threshold-both decides by it; auto-both "
                         "until calibrated) (%(default)s)")
     parser.add_argument("--run-timeout", type=float, default=900)

@@ -270,7 +270,7 @@ def test_cli_defaults_by_shape() -> None:
                        (["--instances", "http://a"], Mode.NEVER)):
         assert resolve_placing(parser.parse_args(argv), parser)[0] is mode
     args = parser.parse_args(["--kv-both", "http://a", "http://b", "--slo", "ttft=300ms,tpot=15ms"])
-    assert resolve_placing(args, parser) == (Mode.AUTO, Objectives(300.0, 15.0), 256)
+    assert resolve_placing(args, parser) == (Mode.AUTO, Objectives(300.0, 15.0), 1024)
 
 
 KEY = PairingKey(role="both", protocol_version=1, model_fingerprint="aaaa", kv_cache_dtype="float32", use_mla=False,

@@ -32,11 +32,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_kvp2p.proxy.batch import batch_prompts
 from vllm_kvp2p.proxy.batch_flow import run_batch
+from vllm_kvp2p.proxy.decode_step import DecodeStep
 from vllm_kvp2p.proxy.disaggregation import Mode, Objectives, ObjectivesError
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.endpoints import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS  # re-exported
@@ -56,10 +57,8 @@ from vllm_kvp2p.proxy.upstream import (
     ProxyError,
     Relay,
     Upstream,
-    UpstreamStream,
     check_status,
     forwarded_headers,
-    relay_events,
     upstream_failure,
     went_away,
 )
@@ -74,8 +73,6 @@ DEFAULT_HEALTH_PROBE_TIMEOUT_S = 5.0
 DEFAULT_MAX_BATCH_CONCURRENCY = 8
 #: Prefills run to P's answer after their client left, at once (their holds are then abandoned); more are aborted.
 DEFAULT_MAX_ORPHAN_PREFILLS = 64
-#: Transport failures that mark an instance unreachable for a while (health.py): not HTTP answers.
-UNREACHABLE_ERROR_TYPES = ("upstream_timeout", "upstream_unavailable")
 #: The prompt tokens the proxy counted as cached on P and on D: sent only with ``--cache-headers`` (an oracle over
 #: other clients' prompts: guess a prefix, read how much of it is cached).
 #: A request's own latency objectives for ``--disaggregate auto`` (``ttft=300ms,tpot=15ms``, as ``--slo``).
@@ -83,7 +80,7 @@ SLO_HEADER = "X-KVP2P-SLO"
 CACHE_HEADERS = ("X-KVP2P-Prefill-Cached-Tokens", "X-KVP2P-Decode-Cached-Tokens")
 
 
-class PDProxy:
+class PDProxy(DecodeStep):
     """State shared by all requests: the instance pools, the HTTP client and the limits.
 
     ``prefill=None`` is the proxy of ordinary instances (``--instances``): no P step, each request goes whole to
@@ -204,9 +201,6 @@ class PDProxy:
 
     # -- request flow ----------------------------------------------------------------------------------------
 
-    def _remaining(self, deadline: float) -> float:
-        return max(0.0, deadline - time.monotonic())
-
     @staticmethod
     def prefill_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
         """The copy of a completion (or ``chat``) request sent to P: one sequence of one token, no streaming,
@@ -264,14 +258,6 @@ class PDProxy:
             return kv
         finally:
             self._p_pool.release(lease)
-
-    @staticmethod
-    def _outcome(pool: InstancePool, url: str, exc: ProxyError) -> None:
-        """A transport failure skips the instance for a while; an HTTP answer shows it alive."""
-        if exc.err_type in UNREACHABLE_ERROR_TYPES:
-            pool.unreachable(url, getattr(exc, "cause", exc.message))
-        else:
-            pool.answered(url)
 
     async def _prefill_with_retry(
         self,
@@ -491,80 +477,3 @@ class PDProxy:
         """The P to ask for a prompt's tokens: the least busy that is up (a skipped one would only cost the
         timeout)."""
         return min(self.pools[0].instances, key=lambda i: (i.health.state is not Health.UP, i.outstanding)).url
-
-    async def _decode_json(
-        self,
-        url: str,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        deadline: float,
-        info_headers: dict[str, str],
-    ) -> Answer:
-        """Non-streaming decode: D's JSON (``kv_transfer_params`` and all) with D's status."""
-        try:
-            resp = await self.client.request("POST", url + path, self._remaining(deadline), body=body, headers=headers)
-        except TRANSPORT_ERRORS as exc:
-            err = upstream_failure("decode", url, exc, self.timeout_s)
-            self._outcome(self.decode, url, err)
-            raise err from exc
-        self.decode.answered(url)
-        check_status("decode", url, resp, info_headers)
-        return Answer(resp.status, resp.body, resp.content_type, info_headers)
-
-    async def _decode_stream(
-        self,
-        lease: Lease,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        deadline: float,
-        info_headers: dict[str, str],
-        rid: str,
-        on_close: Callable[[], None] = lambda: None,
-        times: tuple[Placement, StreamTimes] | None = None,
-    ) -> Answer | Relay:
-        """Streaming decode: wait (bounded) for D's head, then relay its SSE bytes as they come.
-
-        The returned :class:`Relay` owns the decode slot: its ``close`` releases it and calls ``on_close``, however
-        the stream ends.
-        """
-        url = lease.url
-        try:
-            opened = await self.client.open_stream(url + path, body, headers, self._remaining(deadline))
-        except TRANSPORT_ERRORS as exc:
-            err = upstream_failure("decode", url, exc, self.timeout_s)
-            self._outcome(self.decode, url, err)
-            raise err from exc
-        self.decode.answered(url)
-        if not isinstance(opened, UpstreamStream):
-            check_status("decode", url, opened, info_headers)  # raises: open_stream answers whole only when not 2xx
-        stream = opened
-        closed = False
-
-        def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                stream.close()
-                self.decode.release(lease)
-                on_close()
-
-        return Relay(
-            stream.status,
-            stream.content_type or "text/event-stream",
-            {**info_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            relay_events(stream, url, rid, self.timeout_s) if times is None
-            else self._timed(relay_events(stream, url, rid, self.timeout_s), *times),
-            close,
-        )
-
-    async def _timed(self, chunks: AsyncIterator[bytes], placement: Placement, times: StreamTimes
-                     ) -> AsyncIterator[bytes]:
-        """``chunks`` unchanged, their arrival noted: the first token ends a local prefill (placement.py)."""
-        async for chunk in chunks:
-            first = times.first_ms is None
-            times.saw(chunk, time.monotonic() * 1000.0)
-            if first and times.first_ms is not None:
-                self.placer.first_token(placement)
-            yield chunk

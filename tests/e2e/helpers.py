@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -54,6 +55,17 @@ def max_logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def metric(server: VllmServer, name: str, **labels: str) -> float:
     return server.metric(name, **labels)
+
+
+def settle(read: Callable[[], float], expected: float, timeout: float = 30.0) -> float:
+    """``read()`` once it equals ``expected`` (or its last value after ``timeout``; the default: vLLM hands stats
+    to its logger every engine step, and the engines here step while they work)."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = read()
+    return value
 
 
 def wait_kv_idle(server: VllmServer, timeout: float = 30.0) -> float:

@@ -7,22 +7,10 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import Cluster, completion_body, post, prompt_ids, wait_kv_idle
+from tests.e2e.helpers import Cluster, completion_body, post, prompt_ids, settle, wait_kv_idle
 from tests.e2e.test_hostile_params import fabricated_params
 
 pytestmark = pytest.mark.e2e
-
-WITHIN_S = 30.0  # vLLM hands stats to its logger every engine step; the engines here step while they work
-
-
-def settle(read, expected, timeout: float = WITHIN_S) -> float:
-    """``read()`` once it equals ``expected`` (or its last value after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    value = read()
-    while value != expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-        value = read()
-    return value
 
 
 def test_a_pd_request_moves_the_pull_and_hold_figures(cluster: Cluster) -> None:

@@ -16,15 +16,14 @@ the other prefilled. Checked here, every answer against one instance's (greedy, 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.helpers import LOGPROB_TOL, completion_body, max_logprob_gap, post, prompt_ids
+from tests.e2e.helpers import LOGPROB_TOL, completion_body, max_logprob_gap, post, prompt_ids, settle
 from tests.e2e_routing.conftest import RoutingCluster
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
 from vllm_kvp2p.scheduler import PULL_REPORT_KEY
@@ -79,17 +78,8 @@ def counter(servers: list[VllmServer], name: str) -> float:
     return sum(s.metric(name) for s in servers)
 
 
-def settle(read: Callable[[], float], want: float, within: float = SETTLE_S) -> float:
-    deadline = time.monotonic() + within
-    value = read()
-    while value != want and time.monotonic() < deadline:
-        time.sleep(0.1)
-        value = read()
-    return value
-
-
 def nothing_held(cluster: RoutingCluster) -> None:
-    held = settle(lambda: counter(cluster.producers, "vllm:kvp2p_blocks_held"), 0.0)
+    held = settle(lambda: counter(cluster.producers, "vllm:kvp2p_blocks_held"), 0.0, SETTLE_S)
     assert held == 0.0, f"{held} blocks still held {SETTLE_S} s after the last request (the hold timeout is 30 s)"
 
 
@@ -162,7 +152,7 @@ def test_computed_where_it_decodes_leaves_nothing_held(routing_cluster: RoutingC
     # The control: the same prompt through P/D creates a hold (the counter can move), ended by D's pull.
     r = httpx.post(both["always"].url + "/v1/completions", json=completion_body(prompt_ids(LONG, 4630)), timeout=120)
     assert r.status_code == 200
-    assert settle(lambda: counter(engines, "vllm:kvp2p_holds_created_total"), created + 1) == created + 1
+    assert settle(lambda: counter(engines, "vllm:kvp2p_holds_created_total"), created + 1, SETTLE_S) == created + 1
     nothing_held(routing_cluster)
 
 
@@ -196,7 +186,7 @@ def test_the_prefix_cache_works_across_paths(routing_cluster: RoutingCluster) ->
     abandoner = HoldAbandoner()
     try:
         abandoner.abandon(held)
-        assert settle(lambda: p0.metric("vllm:kvp2p_holds_abandoned_total"), abandoned + 1) == abandoned + 1
+        assert settle(lambda: p0.metric("vllm:kvp2p_holds_abandoned_total"), abandoned + 1, SETTLE_S) == abandoned + 1
     finally:
         abandoner.close()
     nothing_held(routing_cluster)

@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.kv_groups import single_full_group
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Prompt, judge
-from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
+from vllm_kvp2p.transfer.kv_groups import single_full_group
 
 SECRET = b"benchmark-secret-0123456789abcdef"
 BLOCK = 16

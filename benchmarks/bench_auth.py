@@ -3,7 +3,8 @@
 
     python benchmarks/bench_auth.py [--reps 20000] [--json out.json]
 
-Times, in this process, each operation the secret adds (vllm_kvp2p/auth.py): P signing the kv_transfer_params of
+Times, in this process, each operation the secret adds (vllm_kvp2p/contract/auth.py): P signing the kv_transfer_params
+of
 one finished prompt and D checking them (done again at every scheduler admission call), and sealing and opening a
 side-channel request (a claim) and a reply (a claim reply, and a registration of a 64-layer model, the largest
 message). Also the round trip of a claim over a real ZMQ side channel on 127.0.0.1 with and without the secret.
@@ -18,11 +19,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator, ReplayGuard
-from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Registration, RemotePrefill
-from vllm_kvp2p.side_channel import SideChannelClient
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator, ReplayGuard
+from vllm_kvp2p.contract.protocol import Claim, ClaimReply, ClaimStatus, RankRegistration, Registration, RemotePrefill
+from vllm_kvp2p.contract.side_channel import SideChannelClient
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.testing.server import free_port
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape

@@ -65,8 +65,8 @@ class Producer:
 
 class Consumer:
     def __init__(self, g: dict[str, int], d_blocks: int) -> None:
+        from vllm_kvp2p.decode.pull_loop import PullLoop
         from vllm_kvp2p.lifecycle.pull import LocalKV
-        from vllm_kvp2p.pull_loop import PullLoop
         from vllm_kvp2p.transfer.engine import MooncakeEngine
         from vllm_kvp2p.transfer.layout import AttentionInterior, kv_geometry
 
@@ -95,9 +95,9 @@ def connector_batch(d: Consumer, jobs: list[tuple[Producer, list[int], list[int]
     """Submit every job at once; per-pull seconds (submit -> result) and the batch's wall time."""
     import torch
 
+    from vllm_kvp2p.contract.protocol import RemotePrefill
     from vllm_kvp2p.lifecycle.consumer import PullPlan
     from vllm_kvp2p.lifecycle.pull import Outcome
-    from vllm_kvp2p.protocol import RemotePrefill
 
     g = d.g
     plans, checks = [], []

@@ -39,13 +39,13 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from vllm_kvp2p.hold_service import HoldService  # noqa: E402
+from vllm_kvp2p.contract.protocol import RankRegistration, RemotePrefill  # noqa: E402
+from vllm_kvp2p.contract.side_channel import SideChannelClient  # noqa: E402
+from vllm_kvp2p.decode.pull_loop import PullLoop  # noqa: E402
 from vllm_kvp2p.lifecycle.consumer import PullPlan  # noqa: E402
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, verification_for  # noqa: E402
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome  # noqa: E402
-from vllm_kvp2p.protocol import RankRegistration, RemotePrefill  # noqa: E402
-from vllm_kvp2p.pull_loop import PullLoop  # noqa: E402
-from vllm_kvp2p.side_channel import SideChannelClient  # noqa: E402
+from vllm_kvp2p.prefill.hold_service import HoldService  # noqa: E402
 from vllm_kvp2p.testing.server import free_port  # noqa: E402
 from vllm_kvp2p.transfer.descriptors import Descriptors  # noqa: E402
 from vllm_kvp2p.transfer.digest import KVMemory, Runs, digest_runs, sums_of_units  # noqa: E402
@@ -171,9 +171,9 @@ def bench_check(layers: int = 80, tokens: tuple[int, ...] = (32768, 131072), rep
     and 128 (Ascend's)."""
     import random
 
+    from vllm_kvp2p.contract.protocol import DigestQuery, UnitRanges
     from vllm_kvp2p.lifecycle.integrity import query_problem
     from vllm_kvp2p.lifecycle.producer import ProducerLedger
-    from vllm_kvp2p.protocol import DigestQuery, UnitRanges
     from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
     out = []
@@ -206,7 +206,7 @@ def bench_fair(reps: int = 3) -> dict[str, float]:
     is summed."""
     import zmq
 
-    from vllm_kvp2p.protocol import Claim, DigestQuery, Release, UnitRanges, encode
+    from vllm_kvp2p.contract.protocol import Claim, DigestQuery, Release, UnitRanges, encode
 
     layers, blocks, heads, head, block = 3, 1400, 2, 1024, 16
     unit = heads * block * 2 * head * 4  # 256 KiB

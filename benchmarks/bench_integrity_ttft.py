@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract.config import KVP2PConfig
 from vllm_kvp2p.testing.cluster import PDCluster
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 

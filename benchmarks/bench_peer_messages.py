@@ -28,10 +28,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import (
     MAX_DIGEST_UNITS,
     MAX_ENGINE_RANKS,
     MAX_HOST_LENGTH,
@@ -46,9 +45,10 @@ from vllm_kvp2p.protocol import (
     Released,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
+from vllm_kvp2p.contract.side_channel import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.interior import MAX_LAYOUT_DIGEST_LENGTH, PartLayout
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, STATE, KVGroup
 from vllm_kvp2p.transfer.slicing import MAX_PARTS, BlockShape
 
 MIB = 1 << 20

@@ -87,7 +87,7 @@ def timed_step(sched: Any, timer: Timed, **kv: Any) -> tuple[float, float, dict[
 
 def scheduler_phases(n: int, steps: int) -> dict[str, dict[str, Any]]:
     from tests.scheduler.harness import make_request, make_scheduler, make_vllm_config, tokens
-    from vllm_kvp2p.metadata import KVP2PWorkerMetadata, PullReport
+    from vllm_kvp2p.connector.metadata import KVP2PWorkerMetadata, PullReport
 
     extra = {"idle_step_sleep": 0}
     kw = {"max_num_seqs": max(16, n), "max_num_batched_tokens": max(1024, n * PROMPT), "block_size": BLOCK,
@@ -135,7 +135,7 @@ def scheduler_phases(n: int, steps: int) -> dict[str, dict[str, Any]]:
 
 def worker_phase(n: int, steps: int) -> dict[str, float]:
     from tests.unit.test_side_channel_fuzz import REG  # a plausible rank registration
-    from vllm_kvp2p.hold_service import HoldService
+    from vllm_kvp2p.prefill.hold_service import HoldService
     from vllm_kvp2p.testing.server import free_port
 
     service = HoldService(REG, "127.0.0.1", free_port(), hold_timeout=600, lease_timeout=60)

@@ -12,11 +12,11 @@ Sections (all numbers are from this run; medians over repetitions):
 
 1. Registration: Mooncake regions and ``batch_register_memory`` time for (a) one separately allocated tensor
    per layer (vLLM's default) registered per tensor, and the region count ``coalesce_regions`` makes of them;
-   (b) all layer tensors inside one arena registered as one region (``vllm_kvp2p.arena.KvArena`` when that
+   (b) all layer tensors inside one arena registered as one region (``vllm_kvp2p.platform.arena.KvArena`` when that
    module exists and is AVAILABLE, else views carved out of one big torch tensor).
 1b. Region-count scaling (``--region-counts``): registration time of N small disjoint regions and the time a
    fresh peer's first read takes (it opens the segment, whose descriptor lists every region), next to a warm read.
-2. Descriptor build for a 1024-block request over all planes: C++ (``vllm_kvp2p._ext.build_descriptors``) vs
+2. Descriptor build for a 1024-block request over all planes: C++ (``vllm_kvp2p.transfer.native.build_descriptors``) vs
    Python (``build_descriptors_py``), contiguous ids (runs merge) and scattered ids; outputs must be identical.
 3. Pulls of a 1024-block request between two Mooncake engines (TCP, 127.0.0.1), P in a spawned process:
    raw ``batch_transfer_sync_read`` with one descriptor per plane (the ceiling); the connector's descriptors with
@@ -71,9 +71,9 @@ def _alloc_arena(g: dict[str, int]) -> tuple[list, Any, tuple[int, int], str]:
     import torch
 
     total = g["layers"] * g["num_blocks"] * _block_bytes(g)
-    why = "vllm_kvp2p.arena not importable"
+    why = "vllm_kvp2p.platform.arena not importable"
     try:
-        from vllm_kvp2p import arena as arena_mod  # optional: a C++ allocator scope (csrc/arena*.cpp)
+        from vllm_kvp2p.platform import arena as arena_mod  # optional: a C++ allocator scope (csrc/arena*.cpp)
     except ImportError:
         arena_mod = None
     if arena_mod is not None:
@@ -83,15 +83,15 @@ def _alloc_arena(g: dict[str, int]) -> tuple[list, Any, tuple[int, int], str]:
                 with arena.scope():
                     tensors = _alloc_separate(g)
                 if all(arena.contains(t.data_ptr(), t.numel() * t.element_size()) for t in tensors):
-                    how = (f"vllm_kvp2p.arena.KvArena(...).scope(), {g['layers']} torch.empty calls, "
+                    how = (f"vllm_kvp2p.platform.arena.KvArena(...).scope(), {g['layers']} torch.empty calls, "
                            f"huge_pages={arena.huge_pages}")
                     return tensors, arena, (arena.base, arena.size), how
                 why = "tensors allocated in KvArena.scope() are not inside the arena"
                 del tensors, arena
             except Exception as exc:  # fall back, but say why
-                why = f"vllm_kvp2p.arena failed: {type(exc).__name__}: {exc}"
+                why = f"vllm_kvp2p.platform.arena failed: {type(exc).__name__}: {exc}"
         else:
-            why = "vllm_kvp2p.arena.AVAILABLE is False"
+            why = "vllm_kvp2p.platform.arena.AVAILABLE is False"
     n = total // 2
     big = torch.empty(n, dtype=torch.float16)
     per = n // g["layers"]
@@ -118,8 +118,8 @@ def p_main(conn, g: dict[str, int]) -> None:
     _mc_env()
     import torch
 
-    from vllm_kvp2p.hold_service import HoldService
-    from vllm_kvp2p.protocol import RankRegistration
+    from vllm_kvp2p.contract.protocol import RankRegistration
+    from vllm_kvp2p.prefill.hold_service import HoldService
     from vllm_kvp2p.testing.server import free_port
     from vllm_kvp2p.transfer.engine import MooncakeEngine
     from vllm_kvp2p.transfer.layout import AttentionInterior, coalesce_regions, kv_geometry
@@ -290,7 +290,7 @@ def bench_region_scaling(counts: list[int], piece: int = 4096) -> list[dict[str,
 
 
 def bench_build(g: dict[str, int], reps: int, rng: random.Random) -> dict[str, Any]:
-    from vllm_kvp2p import _ext
+    from vllm_kvp2p.transfer import native as _ext
     from vllm_kvp2p.transfer.descriptors import PlaneGeometry, build_descriptors_py
 
     nb, bb, n = g["num_blocks"], _block_bytes(g), g["request_blocks"]
@@ -351,7 +351,7 @@ class Puller:
         self.request_bytes = g["layers"] * g["request_blocks"] * _block_bytes(g)
 
     def _new_loop(self):
-        from vllm_kvp2p.pull_loop import PullLoop
+        from vllm_kvp2p.decode.pull_loop import PullLoop
 
         return PullLoop(self.engine, reader="bench-d:0", tp_size=1, tp_rank=0, local=self.local,
                         side_channel_timeout=10, claim_wait=5, max_batch_entries=MAX_ENTRIES)
@@ -441,9 +441,9 @@ class Puller:
 
     def connector(self, lids, rids, check: bool = True) -> dict[str, float]:
         """HoldService on P + PullLoop on D: hold (not timed), then submit -> result (registration cached)."""
+        from vllm_kvp2p.contract.protocol import RemotePrefill
         from vllm_kvp2p.lifecycle.consumer import PullPlan
         from vllm_kvp2p.lifecycle.pull import Outcome
-        from vllm_kvp2p.protocol import RemotePrefill
 
         g = self.g
         req, hold = "req-" + uuid.uuid4().hex[:8], "hold-" + uuid.uuid4().hex[:6]

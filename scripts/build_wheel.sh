@@ -2,7 +2,7 @@
 # Build vllm_kvp2p's sdist and wheel into dist/ with `python -m build`, against the torch of the Python that runs
 # this script ($PYTHON, default: python3 on PATH). Run it inside the environment the wheel goes into (vLLM's
 # venv, the vllm-ascend image): the wheel's _arena links that torch's libc10 and is refused at load
-# (vllm_kvp2p/arena.py) under a torch of another major.minor.
+# (vllm_kvp2p/platform/arena.py) under a torch of another major.minor.
 #
 #   PYTHON=/path/to/venv/bin/python bash scripts/build_wheel.sh
 #   CMAKE_ARGS=-DKVP2P_BUILD_NPU=ON bash scripts/build_wheel.sh     # Ascend: after sourcing CANN's set_env.sh

@@ -30,20 +30,20 @@ METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 OUTPUTS = "vllm/v1/outputs.py"
 CACHE = Path.home() / ".cache" / "vllm-kvp2p" / "wheels"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "vllm_kvp2p"
-CONNECTOR = "vllm_kvp2p.connector:MooncakeP2PConnector"
+CONNECTOR = "vllm_kvp2p.connector.facade:MooncakeP2PConnector"
 #: (release file, release class, our subclass); the first two are the connector's bases.
 PAIRS: list[tuple[str, str, str]] = [
     (BASE, "KVConnectorBase_V1", CONNECTOR), (BASE, "SupportsHMA", CONNECTOR),
-    (BASE, "KVConnectorMetadata", "vllm_kvp2p.metadata:KVP2PMetadata"),
-    (BASE, "KVConnectorWorkerMetadata", "vllm_kvp2p.metadata:KVP2PWorkerMetadata"),
-    (METRICS, "KVConnectorStats", "vllm_kvp2p.metrics:Kvp2pStats"),
-    (METRICS, "KVConnectorPromMetrics", "vllm_kvp2p.metrics:Kvp2pPromMetrics"),
+    (BASE, "KVConnectorMetadata", "vllm_kvp2p.connector.metadata:KVP2PMetadata"),
+    (BASE, "KVConnectorWorkerMetadata", "vllm_kvp2p.connector.metadata:KVP2PWorkerMetadata"),
+    (METRICS, "KVConnectorStats", "vllm_kvp2p.connector.metrics:Kvp2pStats"),
+    (METRICS, "KVConnectorPromMetrics", "vllm_kvp2p.connector.metrics:Kvp2pPromMetrics"),
 ]
 #: Helper classes whose members are compared with the baseline's.
 SHAPES = [(BASE, "KVConnectorRole"), (BASE, "KVConnectorMetadata"), (BASE, "KVConnectorWorkerMetadata"),
           (BASE, "KVConnectorTransferResults"), (OUTPUTS, "KVConnectorOutput"), (METRICS, "KVConnectorStats"),
           (METRICS, "KVConnectorPromMetrics")]
-#: connector.py builds ``compat.TransferResults(sending, recving, failed)``: positional, in this order.
+#: connector/facade.py builds ``compat.TransferResults(sending, recving, failed)``: positional, in this order.
 TRANSFER_RESULTS_FIELDS = ("finished_sending", "finished_recving", "failed_recving")
 SKIP_CALLERS = ("vllm/distributed/ec_transfer/",)  # encoder-cache connectors: another interface
 CONNECTOR_NAME = re.compile(r"^_?(kv_)?connectors?(_cls)?$|^_KV_CONNECTOR_AGENT$")
@@ -406,7 +406,7 @@ def _shapes(rel: dict[str, dict[str, ClassInfo]], uses: PackageUses) -> Iterator
         yield Finding("warn", "shape", "no KVConnectorTransferResults: compat falls back to get_finished")
     elif tuple(n for n, _ in results.fields[:3]) != TRANSFER_RESULTS_FIELDS or \
             not all(has_default for _, has_default in results.fields[3:]):
-        yield Finding("hard", "shape", f"KVConnectorTransferResults fields {results.fields}; connector.py passes "
+        yield Finding("hard", "shape", f"KVConnectorTransferResults fields {results.fields}; connector/facade.py passes "
                       f"{TRANSFER_RESULTS_FIELDS} positionally")
     output = rel[OUTPUTS].get("KVConnectorOutput")
     if missing := sorted(uses.output_fields - set(output.attrs if output else ())):

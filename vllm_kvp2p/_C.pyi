@@ -1,4 +1,5 @@
-"""Type stub for the C++ extension module vllm_kvp2p._C (csrc/). Use vllm_kvp2p._ext instead of importing it."""
+"""Type stub for the C++ extension module vllm_kvp2p._C (csrc/).
+Use vllm_kvp2p.transfer.native instead of importing it."""
 
 from collections.abc import Sequence
 from typing import Protocol

@@ -11,7 +11,7 @@ from vllm_kvp2p.log import get_logger
 __version__ = "0.1.0"
 
 CONNECTOR_NAME = "MooncakeP2PConnector"
-CONNECTOR_MODULE = "vllm_kvp2p.connector"
+CONNECTOR_MODULE = "vllm_kvp2p.connector.facade"
 CONNECTOR_CLASS = "MooncakeP2PConnector"
 
 logger = get_logger(__name__)

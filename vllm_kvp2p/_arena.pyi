@@ -1,6 +1,6 @@
 """Type stub for the C++ extension module vllm_kvp2p._arena (csrc/arena*.cpp).
 
-Use vllm_kvp2p.arena instead of importing it: torch must be imported first (the module links libc10), and the
+Use vllm_kvp2p.platform.arena instead of importing it: torch must be imported first (the module links libc10), and the
 Python module keeps the per-thread scope stack that set_active() is driven from.
 """
 

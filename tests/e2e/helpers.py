@@ -94,7 +94,7 @@ def assert_in_flight_change_caught(cluster: Cluster, prompt: list[int]) -> None:
     """D with ``integrity=full`` and the test hooks: one byte changed in what D read, before its check (the
     ``"in_flight"`` hook, as a faulty link would), fails the load as ``corrupted``, says so in D's log, and D
     recomputes the single instance's answer."""
-    from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+    from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 
     out = prefill_then_decode(cluster, prompt, kvp2p_test_corrupt="in_flight")
     report = out["kv_transfer_params"][PULL_REPORT_KEY]
@@ -125,7 +125,7 @@ def prefill_on(server: VllmServer, prompt: list[int]) -> dict[str, Any]:
 def through_the_proxy(cluster: Cluster, prompt: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
     """One request through the proxy, its answer checked against the single instance (P itself): D's pull report
     and how many of the prompt's tokens D computed and loaded for it."""
-    from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+    from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 
     before = tokens_by_source(cluster)
     pd = post(cluster.proxy_url + "/v1/completions", completion_body(prompt))

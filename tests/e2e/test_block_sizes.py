@@ -32,7 +32,7 @@ from tests.e2e.helpers import (
     tokens_by_source,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster, kv_transfer_config
 from vllm_kvp2p.testing.server import VllmServer, free_port
 

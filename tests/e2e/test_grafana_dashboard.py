@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "vllm-kvp2p.json"
 #: What Grafana puts in for its variables: a rate window of four 1 s scrapes and more, every model.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
-#: Every series the connector exports (vllm_kvp2p/metrics.py): each is on the dashboard.
+#: Every series the connector exports (vllm_kvp2p/connector/metrics.py): each is on the dashboard.
 CONNECTOR_SERIES = (
     "kvp2p_pull_seconds", "kvp2p_pull_bytes", "kvp2p_pull_descriptors", "kvp2p_claim_rtt_seconds",
     "kvp2p_pull_failures_total", "kvp2p_pulls_verified_total", "kvp2p_pulls_unverified_total",

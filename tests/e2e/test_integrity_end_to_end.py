@@ -20,7 +20,7 @@ from tests.e2e.helpers import (
     prompt_ids,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,7 @@ from tests.e2e.helpers import (
     tokens_by_source,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.sse import sse_lines
 

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL, prompt_ids, tokens_by_source, wait_kv_idle
-from vllm_kvp2p.compat import parse_version
+from vllm_kvp2p.connector.compat import parse_version
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.sse import sse_lines
 from vllm_kvp2p.testing.tiny_model import tiny_corpus

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from tests.e2e.helpers import BLOCK_SIZE, Cluster
-from vllm_kvp2p.protocol import PROTOCOL_VERSION, GetRegistration, Registration
+from vllm_kvp2p.contract.protocol import PROTOCOL_VERSION, GetRegistration, Registration
+from vllm_kvp2p.contract.side_channel import SideChannelClient
 from vllm_kvp2p.proxy.pairing import PairingKey, mismatch, read_metrics
-from vllm_kvp2p.side_channel import SideChannelClient
 from vllm_kvp2p.testing.server import VllmServer
 
 pytestmark = pytest.mark.e2e

@@ -29,7 +29,7 @@ from tests.e2e.helpers import (
     tokens_and_logprobs,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.sse import sse_lines
 

@@ -33,7 +33,7 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.support.fault_bounds import FROZEN_P_S, KILLED_P_S, assert_within_doc_bound
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.cluster import start_producer
 from vllm_kvp2p.testing.server import VllmServer

@@ -1,7 +1,8 @@
 """What the running vLLM version changes, seen on the real P/D engines of this package's cluster.
 
 Runs under every vLLM the suite runs on (scripts/test.sh runs it on 0.32 and on 0.23; scripts/check_vllm_releases.sh
-on the others). Nothing here asks vllm_kvp2p.compat (not even to parse the version), so a wrong seam or a wrong
+on the others). Nothing here asks vllm_kvp2p.connector.compat (not even to parse the version),
+so a wrong seam or a wrong
 verdict there fails the test: the allocation route each release series has is written here from that release's
 source, and the label the start-up line must give is a literal for CI's two releases and, for any other, what the
 release record says (docs/vllm_releases.json, written by scripts/check_vllm_releases.sh).

@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL, Cluster, baseline, completion_body, max_logprob_gap, post, prompt_ids
 from tests.e2e_auth.test_secret_end_to_end import decode_with, issued_params
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 
 POISONS = {"latin": "é…" * 8, "surrogate": "\ud800x", "huge": "x" * 100_000}
 TEXT_FIELDS = ("mac", "remote_engine_id", "remote_request_id", "remote_hold_id", "remote_host", "remote_incarnation",

@@ -23,10 +23,10 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.e2e_auth.conftest import SECRET
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.protocol import ErrorReply, GetRegistration, Release, RemotePrefill
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import ErrorReply, GetRegistration, Release, RemotePrefill
 
 BOUND_S = 10.0
 

@@ -25,7 +25,7 @@ from tests.e2e.helpers import (
     tokens_by_source,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 
 if TYPE_CHECKING:
     from tests.e2e_dp.conftest import DPCluster

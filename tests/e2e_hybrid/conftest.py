@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
+from vllm_kvp2p.connector.compat import REPORTS_FAILED_REQUESTS
 from vllm_kvp2p.testing.cluster import PDCluster
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
+from vllm_kvp2p.connector.compat import REPORTS_FAILED_REQUESTS
 from vllm_kvp2p.testing.cluster import kv_transfer_config
 from vllm_kvp2p.testing.server import VllmServer, VllmServerError
 

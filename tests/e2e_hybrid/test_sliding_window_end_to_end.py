@@ -25,7 +25,7 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.e2e_hybrid.conftest import LAYER_TYPES, WINDOW
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 
 LAYER_BLOCK_BYTES = KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4  # K and V of one layer's block, float32

@@ -10,7 +10,7 @@ import math
 from tests.e2e.helpers import BLOCK_SIZE, LOGPROB_TOL, baseline, max_logprob_gap, prefill_then_decode, prompt_ids
 from tests.e2e_hybrid.conftest import LAYER_TYPES
 from tests.e2e_hybrid.test_sliding_window_end_to_end import LAYER_BLOCK_BYTES, expected_bytes
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 
 

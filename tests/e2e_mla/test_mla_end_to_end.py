@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL
 from tests.e2e_mla.conftest import MlaPair
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.server import VllmServer
 from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE
 

@@ -28,7 +28,7 @@ def test_engines_of_two_models_never_pair_and_those_of_one_do(mla_pair: MlaPair,
     for p, d in ((llama_p, mla_d), (mla_p, llama_d)):
         reason = mismatch(p, d)
         assert reason == (f"model fingerprint: P {p.model_fingerprint}, D {d.model_fingerprint} (the same model on "
-                          "both, vllm_kvp2p/identity.py)"), reason
+                          "both, vllm_kvp2p/contract/identity.py)"), reason
     tp2 = pairing_key(mla_prefill_tp2)
     assert tp2.tp_size == 2 and dataclasses.replace(tp2, tp_size=1) == mla_p
     assert mismatch(tp2, mla_d) is None  # another TP size is handled by design

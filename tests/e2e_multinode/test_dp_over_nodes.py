@@ -21,7 +21,7 @@ from tests.e2e.helpers import (
     tokens_and_logprobs,
     wait_kv_idle,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:

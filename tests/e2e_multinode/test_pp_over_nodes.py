@@ -24,11 +24,11 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.e2e_multinode.conftest import SECRET
-from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import GetRegistration, Registration
+from vllm_kvp2p.contract.side_channel import SideChannelClient
 from vllm_kvp2p.lifecycle.consumer import TEST_CORRUPT_KEY
-from vllm_kvp2p.protocol import GetRegistration, Registration
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
-from vllm_kvp2p.side_channel import SideChannelClient
 from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from tests.support.fault_bounds import (
     cut_during_read_s,
     lease_lapse_s,
 )
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.netns import listening_sockets
 
 if TYPE_CHECKING:
@@ -232,8 +232,8 @@ def test_p_killed_and_restarted_on_the_same_address_pulls_resume_at_once(pair: N
 def test_a_reader_that_vanishes_holding_a_claim_is_freed_at_lease_expiry(pair: NetnsPair) -> None:
     """What P sees of a D killed mid-pull: a claim granted, then nothing (no renew, no release). P serves others
     meanwhile; the lease pins the blocks past hold_timeout and P frees them when it lapses, not never."""
-    from vllm_kvp2p.protocol import Claim, ClaimStatus
-    from vllm_kvp2p.side_channel import SideChannelClient
+    from vllm_kvp2p.contract.protocol import Claim, ClaimStatus
+    from vllm_kvp2p.contract.side_channel import SideChannelClient
 
     prompt = prompt_ids(3 * BLOCK_SIZE, seed=6161)
     kv = post(pair.prefill.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,

@@ -25,8 +25,8 @@ import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL, completion_body, max_logprob_gap, post, prompt_ids, settle
 from tests.e2e_routing.conftest import RoutingCluster
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import ProxyProcess
 from vllm_kvp2p.testing.server import VllmServer
 from vllm_kvp2p.testing.sse import sse_lines

@@ -29,7 +29,7 @@ import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL, baseline, completion_body, max_logprob_gap, prompt_ids, wait_kv_idle
 from tests.e2e_routing.conftest import RoutingCluster
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.server import VllmServer, free_port
 from vllm_kvp2p.testing.sse import sse_lines
 

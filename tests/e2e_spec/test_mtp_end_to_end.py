@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.helpers import LOGPROB_TOL, max_logprob_gap, tokens_and_logprobs, wait_kv_idle
 from tests.e2e_spec.helpers import Drafts, direct, single, through_proxy
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 from vllm_kvp2p.testing.tiny_deepseek import MLA_BLOCK_SIZE
 

@@ -22,7 +22,7 @@ from tests.e2e.helpers import (
     wait_kv_idle,
 )
 from tests.e2e_spec.helpers import Drafts, direct, single, through_proxy
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.cluster import PDCluster
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e_state.conftest import StatePair
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
 from vllm_kvp2p.testing.server import VllmServer
 from vllm_kvp2p.testing.tiny_qwen3_next import LAYER_TYPES
 

@@ -35,9 +35,9 @@ from tests.e2e.helpers import (
     tokens_by_source,
     wait_kv_idle,
 )
-from vllm_kvp2p.protocol import GetRegistration, Registration
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
-from vllm_kvp2p.side_channel import SideChannelClient
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract.protocol import GetRegistration, Registration
+from vllm_kvp2p.contract.side_channel import SideChannelClient
 
 if TYPE_CHECKING:
     from tests.e2e_tp.conftest import TPCluster

@@ -5,7 +5,8 @@ The workers' side of each step is played by :func:`model_runner_output`, which f
 The model is a hand-written Llama ``config.json`` in a temp dir, loaded with ``skip_tokenizer_init``: no hub.
 
 Runs on every supported vLLM: failed loads are handed to the scheduler the way the installed vLLM takes them
-(request ids on 0.32, block ids on 0.23, as the real worker side does: :data:`vllm_kvp2p.compat.REPORTS_FAILED_
+(request ids on 0.32, block ids on 0.23, as the real worker side does:
+:data:`vllm_kvp2p.connector.compat.REPORTS_FAILED_
 REQUESTS`), and the queues checked are the ones the installed Scheduler has.
 """
 
@@ -43,9 +44,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_kvp2p.compat import REPORTS_FAILED_REQUESTS
-from vllm_kvp2p.metadata import KVP2PMetadata
-from vllm_kvp2p.scheduler import SchedulerSide
+from vllm_kvp2p.connector.compat import REPORTS_FAILED_REQUESTS
+from vllm_kvp2p.connector.metadata import KVP2PMetadata
+from vllm_kvp2p.connector.scheduler import SchedulerSide
 
 EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 7  # any non-EOS id
@@ -141,7 +142,7 @@ def make_vllm_config(
     cache_config = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
     kv_transfer_config = KVTransferConfig(
         kv_connector="MooncakeP2PConnector",
-        kv_connector_module_path="vllm_kvp2p.connector",
+        kv_connector_module_path="vllm_kvp2p.connector.facade",
         kv_role=role,
         kv_load_failure_policy=kv_load_failure_policy,
         # One machine: P's params name loopback (the connector's default is this node's address).

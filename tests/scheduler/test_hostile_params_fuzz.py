@@ -56,14 +56,14 @@ from tests.scheduler.harness import (
     tokens,
 )
 from tests.scheduler.test_scheduler_lifecycle import remote_params
-from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.connector.scheduler import SchedulerSide
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_TOKENS, RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle import consumer as consumer_module
 from vllm_kvp2p.lifecycle.admission import MAX_REASON
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.shared_holds import hold_key
-from vllm_kvp2p.protocol import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_TOKENS, RemotePrefill, prompt_digest
-from vllm_kvp2p.scheduler import SchedulerSide
 
 BS = 16
 NUM_BLOCKS = 400

@@ -22,8 +22,8 @@ from tests.scheduler.harness import (
     step,
     tokens,
 )
-from vllm_kvp2p import compat
-from vllm_kvp2p.kv_groups import UnsupportedKVCacheError
+from vllm_kvp2p.connector import compat
+from vllm_kvp2p.transfer.kv_groups import UnsupportedKVCacheError
 
 BS = 16
 WINDOW = 40  # tokens: cdiv(40, 16) + 1 = 4 blocks at most
@@ -163,7 +163,7 @@ def test_params_from_a_p_without_the_sliding_group_fail_the_plan_with_a_reason()
 def test_p_holds_back_the_last_prompt_token_of_a_model_with_state_once() -> None:
     """What P does for a model with a linear-attention state (the real engine test is tests/e2e_state): the
     request vLLM created is shortened by one token, once, and only for the decoder's prefill."""
-    from vllm_kvp2p.scheduler import _drop_last_prompt_token
+    from vllm_kvp2p.connector.scheduler import _drop_last_prompt_token
 
     request = make_request("p1", tokens(50), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     _drop_last_prompt_token(request)

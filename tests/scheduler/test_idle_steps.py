@@ -9,7 +9,7 @@ import pytest
 
 from tests.scheduler.harness import make_request, make_scheduler, make_vllm_config, step, tokens
 from tests.scheduler.test_scheduler_lifecycle import prefill_on_p
-from vllm_kvp2p.step_wakeup import StepWaiter
+from vllm_kvp2p.connector.step_wakeup import StepWaiter
 
 
 @pytest.fixture

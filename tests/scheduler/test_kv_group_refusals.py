@@ -1,4 +1,5 @@
-"""The two start-up refusals of vllm_kvp2p/kv_groups.py that docs/models.md states, on vLLM's own KV-cache specs
+"""The two start-up refusals of vllm_kvp2p/transfer/kv_groups.py that docs/models.md states, on vLLM's own KV-cache
+specs
 (issue 38: claims without a test): a group of a kind the connector does not move (chunked local attention), and a
 linear-attention state group with speculative decoding. Each next to the same group the connector does move, so
 the refusal is the spec's doing, not the test's."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 
-from vllm_kvp2p.kv_groups import FULL, STATE, KVGroup, UnsupportedKVCacheError, groups_from_vllm
+from vllm_kvp2p.transfer.kv_groups import FULL, STATE, KVGroup, UnsupportedKVCacheError, groups_from_vllm
 
 
 def _config(*specs: object) -> SimpleNamespace:

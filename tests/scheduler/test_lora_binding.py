@@ -1,5 +1,5 @@
 """The prompt binding covers a LoRA adapter by the weights the engine's workers loaded, not its name nor its files
-of the moment (issue 37 item 7, issue 45 item 5; vllm_kvp2p/lora_weights.py).
+of the moment (issue 37 item 7, issue 45 item 5; vllm_kvp2p/connector/lora_weights.py).
 
 vLLM's real Scheduler on both sides (tests/scheduler/harness.py), each side its own engine: its own AdapterBook (one
 per process in production) and a stand-in for its workers that reads the adapter's weights when vLLM's worker would
@@ -28,13 +28,13 @@ from vllm.v1.engine.core import EngineCore
 
 from tests.scheduler.harness import connector_side, make_request, step, tokens
 from tests.scheduler.test_scheduler_lifecycle import d_scheduler, p_scheduler
-from vllm_kvp2p import compat, lora_weights
-from vllm_kvp2p import scheduler as scheduler_module
+from vllm_kvp2p.connector import compat, lora_weights
+from vllm_kvp2p.connector import scheduler as scheduler_module
+from vllm_kvp2p.connector.lora_weights import AdapterBook
+from vllm_kvp2p.connector.scheduler import request_digest
+from vllm_kvp2p.contract.protocol import RemotePrefill
 from vllm_kvp2p.lifecycle.admission import Admitted, Refused, UnboundPrompt
 from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.lora_weights import AdapterBook
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.scheduler import request_digest
 
 PROMPT = tokens(40)
 

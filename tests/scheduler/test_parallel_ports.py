@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.scheduler.harness import make_kv_cache_config, make_vllm_config
-from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.scheduler import SchedulerSide
+from vllm_kvp2p.connector.scheduler import SchedulerSide
+from vllm_kvp2p.contract.config import KVP2PConfig
+from vllm_kvp2p.contract.protocol import RemotePrefill
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

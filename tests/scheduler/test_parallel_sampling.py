@@ -39,12 +39,12 @@ from tests.scheduler.test_scheduler_lifecycle import (
     remote_params,
     report,
 )
-from vllm_kvp2p import scheduler as scheduler_module
-from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.connector import scheduler as scheduler_module
+from vllm_kvp2p.connector.metadata import KVP2PWorkerMetadata
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import RemotePrefill
 from vllm_kvp2p.lifecycle.consumer import PullPlan
-from vllm_kvp2p.metadata import KVP2PWorkerMetadata
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 PARENT = "cmpl-abc-0-1a2b3c4d"  # vLLM's internal id of the parent: the client's id and a random suffix
 CHILDREN = [f"{i}_{PARENT}" for i in range(3)]
@@ -270,7 +270,8 @@ def test_d_a_child_first_asked_after_the_reader_ended_follows_it(monkeypatch, se
 
 
 class Clock:
-    """The adapter's clocks (vllm_kvp2p/scheduler.py: the wall clock params expire by, the monotonic one of D's
+    """The adapter's clocks (vllm_kvp2p/connector/scheduler.py:
+    the wall clock params expire by, the monotonic one of D's
     hold table), moved by the test."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:

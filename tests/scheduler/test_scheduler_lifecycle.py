@@ -30,10 +30,10 @@ from tests.scheduler.harness import (
     step,
     tokens,
 )
+from vllm_kvp2p.connector.metadata import HoldOrder, KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.connector.scheduler import PULL_REPORT_KEY
+from vllm_kvp2p.contract.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle.consumer import PullPlan
-from vllm_kvp2p.metadata import HoldOrder, KVP2PWorkerMetadata, PullReport
-from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
-from vllm_kvp2p.scheduler import PULL_REPORT_KEY
 
 BS = 16
 NUM_BLOCKS = 100

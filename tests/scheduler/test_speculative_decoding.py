@@ -28,7 +28,7 @@ from tests.scheduler.harness import (
     step,
     tokens,
 )
-from vllm_kvp2p.metadata import KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.connector.metadata import KVP2PWorkerMetadata, PullReport
 
 BS = 16
 NUM_BLOCKS = 100

@@ -1,4 +1,5 @@
-"""Which vLLM versions the connector starts on (vllm_kvp2p/compat.py), against vLLM's real Scheduler creating it.
+"""Which vLLM versions the connector starts on (vllm_kvp2p/connector/compat.py), against vLLM's real Scheduler creating
+it.
 
 Older than 0.23: refused at start-up with a message naming the supported range and the override setting (and the
 override works); a tested release (compat.TESTED_RELEASES, CI's two) and a release-checked one (compat.CHECKED_RELEASES,
@@ -18,7 +19,7 @@ import pytest
 import vllm
 
 from tests.scheduler.harness import make_scheduler, make_vllm_config
-from vllm_kvp2p import compat
+from vllm_kvp2p.connector import compat
 
 
 @pytest.mark.parametrize(
@@ -99,13 +100,14 @@ def test_an_old_vllm_gets_the_message_not_an_import_error() -> None:
         "import vllm; vllm.__version__ = '0.20.0'\n"
         "from vllm.distributed.kv_transfer.kv_connector.v1 import base\n"
         "del base.KVConnectorBase_V1\n"  # what an old vLLM lacks: importing it would be an ImportError
-        "import vllm_kvp2p.connector\n"
+        "import vllm_kvp2p.connector.facade\n"
     )
     env_blocked = {k: v for k, v in os.environ.items() if k != compat.ALLOW_UNSUPPORTED_SETTING}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env_blocked)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("vllm_kvp2p.compat.UnsupportedVllmError: ") and "supports vLLM >= 0.23" in last, last
+    assert last.startswith("vllm_kvp2p.connector.compat.UnsupportedVllmError: "), last
+    assert "supports vLLM >= 0.23" in last, last
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ __all__ = [
 #: What a loaded 2-core machine may add to any fault's documented time (see the module docstring).
 LOADED_MACHINE_MARGIN_S = 1.0
 
-#: D's default ``side_channel_timeout`` (vllm_kvp2p/config.py), which every fault test's D runs with.
+#: D's default ``side_channel_timeout`` (vllm_kvp2p/contract/config.py), which every fault test's D runs with.
 SIDE_CHANNEL_TIMEOUT_S = 5.0
 
 #: docs/reliability.md, "P killed (its port refuses)": "under 2 s" (also deploy-ascend.md's timer table).

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kvp2p.contract.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle.admission import Prompt
-from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

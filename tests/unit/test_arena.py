@@ -1,4 +1,5 @@
-"""KV arena (vllm_kvp2p.arena over the C++ extension vllm_kvp2p._arena): torch CPU tensors allocated by the calling
+"""KV arena (vllm_kvp2p.platform.arena over the C++ extension vllm_kvp2p._arena): torch CPU tensors allocated by the
+calling
 thread inside ``scope()`` come from one 2 MiB aligned mmap region, back to back; nothing else does.
 
 The last test runs vLLM's own ``allocate_kv_cache`` for an 8-layer KVCacheConfig inside a scope and checks that the
@@ -16,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_kvp2p import arena as arena_mod
-from vllm_kvp2p.arena import PIECE_ALIGN, REGION_ALIGN, KvArena, arena_size_for
+from vllm_kvp2p.platform import arena as arena_mod
+from vllm_kvp2p.platform.arena import PIECE_ALIGN, REGION_ALIGN, KvArena, arena_size_for
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -69,7 +70,7 @@ def arena():
 
 
 def test_import_is_light():
-    code = "import sys, vllm_kvp2p.arena; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    code = "import sys, vllm_kvp2p.platform.arena; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert arena_mod.AVAILABLE is True
@@ -358,7 +359,7 @@ def test_vllm_023_allocation_route_lands_in_one_arena(monkeypatch: pytest.Monkey
     inherits it), wrapped by compat.install_kv_allocation_route, allocates every layer inside the connector's arena.
     Without the wrap (the original method) nothing lands in it."""
     pytest.importorskip("vllm")
-    from vllm_kvp2p import compat
+    from vllm_kvp2p.connector import compat
 
     if compat.HAS_MEM_POOL_HOOK:
         pytest.skip("this vLLM calls get_mem_pool_context: see the previous test")

@@ -69,11 +69,11 @@ method = getattr(mr.NPUModelRunner, "_allocate_kv_cache_tensors", None)
 print("WRAPPED", getattr(method, "__kvp2p_arena_wrapped__", False))
 if {run}:
     from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm_kvp2p.arena import KvArena
+    from vllm_kvp2p.platform.arena import KvArena
     from vllm_kvp2p.platform.ascend_hook import ascend_arena_size
     from vllm_kvp2p.platform.npu import NpuPlatform
     from vllm_kvp2p.transfer.layout import TensorView
-    from vllm_kvp2p.worker import WorkerSide
+    from vllm_kvp2p.connector.worker import WorkerSide
 
     class Group:  # what the wrapper asks of the active connector (MooncakeP2PConnector.kvp2p_arena_context)
         arena = None
@@ -168,9 +168,9 @@ def test_arena_size_budgets_three_padded_pieces_per_tensor() -> None:
 
 
 def test_per_tensor_fallback_over_the_hccl_limit_names_count_and_limit() -> None:
+    from vllm_kvp2p.connector.worker import WorkerSide
     from vllm_kvp2p.platform.npu import NpuPlatform
     from vllm_kvp2p.transfer.layout import TensorView
-    from vllm_kvp2p.worker import WorkerSide
 
     # 2 pieces per layer, 2 MiB apart with gaps (vllm-ascend's padding): 300 regions on a 61+ layer model is easy.
     views = [TensorView(0x10_0000_0000 + i * (4 << 20), (1024,), (1,), 1) for i in range(300)]

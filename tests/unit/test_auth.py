@@ -1,4 +1,4 @@
-"""The shared secret (vllm_kvp2p/auth.py, config): signed params and sealed side-channel frames. Pure, no I/O.
+"""The shared secret (vllm_kvp2p/contract/auth.py, config): signed params and sealed side-channel frames. Pure, no I/O.
 Every refusal is paired with the same input passing without the defence, so each check can fail."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.prompts import prompt, remote, tokens
-from vllm_kvp2p.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
-from vllm_kvp2p.config import ConfigError, KVP2PConfig
-from vllm_kvp2p.kv_groups import single_full_group
+from vllm_kvp2p.contract.auth import MAX_NONCES, Authenticator, AuthError, ReplayGuard, Sealed
+from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.contract.protocol import RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Refused, address_problem, judge
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure
-from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
+from vllm_kvp2p.transfer.kv_groups import single_full_group
 
 SECRET = b"0123456789abcdef-test-secret"
 NOW = 1_800_000_000_000  # ms

@@ -8,11 +8,12 @@ from collections import OrderedDict
 import pytest
 
 from tests.support.ports import free_port
-from vllm_kvp2p import pull_lanes, pull_suspects, side_channel
-from vllm_kvp2p.protocol import ErrorReply, GetRegistration
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.pull_suspects import put_recent
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelServer
+from vllm_kvp2p.contract import side_channel
+from vllm_kvp2p.contract.protocol import ErrorReply, GetRegistration
+from vllm_kvp2p.contract.side_channel import SideChannelClient, SideChannelServer
+from vllm_kvp2p.decode import pull_lanes, pull_suspects
+from vllm_kvp2p.decode.pull_loop import PullLoop
+from vllm_kvp2p.decode.pull_suspects import put_recent
 
 
 def _loop() -> PullLoop:

@@ -103,7 +103,7 @@ def test_a_real_mooncake_engine_starts_and_moves_data() -> None:
 
 
 def test_rdma_without_the_nic_is_a_problem_though_mooncake_starts_with_it(tmp_path) -> None:
-    from vllm_kvp2p.config import KVP2PConfig
+    from vllm_kvp2p.contract.config import KVP2PConfig
 
     config = KVP2PConfig.from_sources({"protocol": "rdma", "device_name": "mlx5_0"}, {})
     (tmp_path / "none").mkdir()
@@ -121,7 +121,7 @@ def test_rdma_without_the_nic_is_a_problem_though_mooncake_starts_with_it(tmp_pa
 
 
 def test_ascend_protocol_needs_the_npu_build_of_mooncake() -> None:
-    from vllm_kvp2p.config import KVP2PConfig
+    from vllm_kvp2p.contract.config import KVP2PConfig
 
     found = transport_findings(KVP2PConfig.from_sources({"protocol": "ascend"}, {}), "ascend")
     assert [(f.level, f.setting) for f in found] == [(PROBLEM, "protocol")]  # the non-cuda build is installed
@@ -185,7 +185,7 @@ def test_absurd_setting_values_are_problems_naming_the_setting(value: str) -> No
 def test_pipeline_stages_count_in_the_side_channel_ports() -> None:
     """P at PP 2 x TP 2 x DP 2 listens on 8 ports: each DP rank's 4 ranks (stage * tp_size + tp rank)."""
     from vllm_kvp2p.cli.check import side_channel_ports
-    from vllm_kvp2p.config import KVP2PConfig
+    from vllm_kvp2p.contract.config import KVP2PConfig
 
     config = KVP2PConfig.from_sources({"side_channel_port": 20000}, {})
     assert side_channel_ports(config, 2, 2, pp_size=2) == list(range(20000, 20008))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
 
 
 def test_defaults_need_no_settings() -> None:
@@ -92,7 +92,7 @@ def test_detection_without_an_address_is_refused_naming_the_settings(detected: s
 
 
 def test_detection_is_vllms_get_ip_which_honours_vllm_host_ip(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_kvp2p import compat
+    from vllm_kvp2p.connector import compat
 
     monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
     assert KVP2PConfig.from_sources({}, env={}).advertised_host(compat.node_ip) == "10.9.8.7"
@@ -122,7 +122,7 @@ def test_a_lease_the_check_refuses_does_lapse_under_the_longest_read(transfer_ti
     before a renewal is due; the renewal then takes RENEWAL_REACHES_P_S to reach P). A lease just short of the
     check's bound lapses (P frees the blocks mid-pull); one just above it holds through the pull."""
     from tests.unit.test_consumer_lifecycle import held_ledgers, run_against_p, tp2_pull
-    from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S, RENEWAL_REACHES_P_S
+    from vllm_kvp2p.contract.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S, RENEWAL_REACHES_P_S
     from vllm_kvp2p.lifecycle.pull import Outcome
 
     longest_read = READ_SLOT_WAIT_S + transfer_timeout + READ_RETRY_WITHIN
@@ -145,7 +145,7 @@ def test_a_lease_the_check_refuses_does_lapse_under_the_longest_read(transfer_ti
 def test_a_rank_port_inside_mooncakes_range_is_refused_naming_the_setting() -> None:
     import pytest as _pytest
 
-    from vllm_kvp2p.config import ConfigError, KVP2PConfig
+    from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
 
     config = KVP2PConfig.from_sources({"side_channel_port": 14998}, {})
     assert config.side_channel_port_for(0, 2, 1) == 14999

@@ -1,11 +1,11 @@
-"""docs/configuration.md's settings table is generated from vllm_kvp2p/config.py: the two cannot drift."""
+"""docs/configuration.md's settings table is generated from vllm_kvp2p/contract/config.py: the two cannot drift."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_kvp2p.config import _PARSERS, KVP2PConfig, setting_names
-from vllm_kvp2p.config_reference import TABLE_BEGIN, TABLE_END, reference_table, with_reference_table
+from vllm_kvp2p.contract.config import _PARSERS, KVP2PConfig, setting_names
+from vllm_kvp2p.contract.config_reference import TABLE_BEGIN, TABLE_END, reference_table, with_reference_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from tests.support.prompts import prompt, remote
+from vllm_kvp2p.contract.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
 from vllm_kvp2p.lifecycle.producer import HoldState, ProducerLedger
 from vllm_kvp2p.lifecycle.pull import (
@@ -22,10 +23,9 @@ from vllm_kvp2p.lifecycle.pull import (
     Source,
     Wait,
 )
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
-from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice, Layout, rank_plan
 
 BS = 16
 
@@ -404,7 +404,7 @@ def test_a_forged_registration_in_a_claim_reply_is_refused_and_the_lease_release
 def test_a_claim_reply_whose_registration_has_the_wrong_type_does_not_decode(registration_value: object) -> None:
     import msgspec
 
-    from vllm_kvp2p.protocol import decode_reply
+    from vllm_kvp2p.contract.protocol import decode_reply
 
     raw = msgspec.msgpack.encode({"type": "claim_reply", "status": "granted", "lease": 30.0,
                                   "registration": registration_value})

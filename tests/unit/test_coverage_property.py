@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis import strategies as st
 
 from tests.support.prompts import prompt, remote
-from vllm_kvp2p.kv_groups import FULL, NULL_BLOCK_ID, SLIDING, STATE, KVGroup, needed_count, needed_tail, prompt_blocks
+from vllm_kvp2p.contract.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
 from vllm_kvp2p.lifecycle import admission
 from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Prompt, Refused, judge
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
@@ -53,11 +53,20 @@ from vllm_kvp2p.lifecycle.pull import (
     SendRenew,
     Source,
 )
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill
-from vllm_kvp2p.tp_mapping import Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
 from vllm_kvp2p.transfer.interior import PartLayout, classify
+from vllm_kvp2p.transfer.kv_groups import (
+    FULL,
+    NULL_BLOCK_ID,
+    SLIDING,
+    STATE,
+    KVGroup,
+    needed_count,
+    needed_tail,
+    prompt_blocks,
+)
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import Layout, rank_plan
 
 ELEMENTS, ELEMENT_BYTES = 2, 2  # a head's part row: 2 elements of 2 bytes (tiny head dims)
 ROW = ELEMENTS * ELEMENT_BYTES
@@ -141,7 +150,7 @@ class Scenario:
 
     @property
     def offered(self) -> list[list[int]]:
-        """What P issues: each group's list cut by needed_tail (vllm_kvp2p/scheduler.py, _offer)."""
+        """What P issues: each group's list cut by needed_tail (vllm_kvp2p/connector/scheduler.py, _offer)."""
         return [needed_tail(g, ids, self.p_tokens) for g, ids in zip(self.p_groups, self.p_lists)]
 
     def params(self, offered: Sequence[Sequence[int]] | None = None) -> dict:
@@ -577,7 +586,8 @@ def cut_scenarios(draw: st.DrawFn) -> tuple[Scenario, list[list[int]]]:
 
 
 def old_at_most_rule(remote_: RemotePrefill, prompt_: Prompt, decoder: Decoder) -> str:
-    """``admission._content_problem`` with the coverage rule it replaced (vllm_kvp2p/protocol.py before 7a2381c,
+    """``admission._content_problem`` with the coverage rule it replaced
+    (vllm_kvp2p/contract/protocol.py before 7a2381c,
     ``RemotePrefill.problem``): a group may offer *at most* the prompt's blocks."""
     n = remote_.remote_num_tokens
     if n > prompt_.num_tokens:

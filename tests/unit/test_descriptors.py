@@ -2,7 +2,7 @@
 
 Properties (for every implementation): descriptors cover exactly the requested bytes, never overlap on either
 side (for distinct ids), never leave their plane (even when planes are adjacent in memory), and pair a local
-plane with the same remote plane. The C++ builder (vllm_kvp2p._C through vllm_kvp2p._ext, called by
+plane with the same remote plane. The C++ builder (vllm_kvp2p._C through vllm_kvp2p.transfer.native, called by
 build_descriptors) must give output identical to build_descriptors_py, including which ValueError it raises.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvp2p import _ext
+from vllm_kvp2p.transfer import native as _ext
 from vllm_kvp2p.transfer.descriptors import (
     Descriptors,
     PlaneGeometry,
@@ -354,7 +354,7 @@ def test_ext_module_state():
 
 
 def test_ext_import_is_light():
-    code = "import sys, vllm_kvp2p._ext; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    code = "import sys, vllm_kvp2p.transfer.native; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from tests.support import fault_bounds
-from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.contract.config import KVP2PConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

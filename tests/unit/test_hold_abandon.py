@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+from vllm_kvp2p.contract.protocol import AbandonOutcome, ClaimStatus
 from vllm_kvp2p.lifecycle.producer import HoldState, ProducerLedger
-from vllm_kvp2p.protocol import AbandonOutcome, ClaimStatus
 
 
 def ledger(**kw) -> ProducerLedger:

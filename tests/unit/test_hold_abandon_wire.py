@@ -12,13 +12,13 @@ import pytest
 import zmq
 
 from tests.unit.test_side_channel_fuzz import REG
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import Abandon, Abandoned, AbandonOutcome, Release, RemotePrefill
+from vllm_kvp2p.contract.side_channel import SideChannelClient, Unauthenticated
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.lifecycle.rank_table import table_of
-from vllm_kvp2p.protocol import Abandon, Abandoned, AbandonOutcome, Release, RemotePrefill
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
-from vllm_kvp2p.side_channel import SideChannelClient, Unauthenticated
 from vllm_kvp2p.testing.server import free_port
 
 HOST = "127.0.0.1"
@@ -80,7 +80,7 @@ def test_an_untouched_hold_is_freed_in_well_under_a_second(p_service, abandoner:
 
 
 def test_a_claimed_hold_stays_with_its_reader(p_service, abandoner: HoldAbandoner) -> None:
-    from vllm_kvp2p.protocol import Claim
+    from vllm_kvp2p.contract.protocol import Claim
 
     service, auth = p_service
     remote = params(port_of(service), auth=auth)
@@ -281,7 +281,7 @@ def test_params_of_another_connector_are_counted_not_sent(abandoner: HoldAbandon
 def test_the_proxy_reads_the_engines_secret_settings() -> None:
     """VLLM_KVP2P_SECRET / _SECRET_FILE and VLLM_KVP2P_CLOCK_SKEW, read as the engines read them; a bad one is a
     ConfigError naming it (the proxy does not start), none is no sealing."""
-    from vllm_kvp2p.config import ConfigError
+    from vllm_kvp2p.contract.config import ConfigError
     from vllm_kvp2p.proxy.hold_abandon import authenticator_from_env
 
     assert authenticator_from_env({}) is None

@@ -1,10 +1,10 @@
-"""P's incarnation and the model fingerprint (vllm_kvp2p/identity.py), from config objects shaped as vLLM's."""
+"""P's incarnation and the model fingerprint (vllm_kvp2p/contract/identity.py), from config objects shaped as vLLM's."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_kvp2p.identity import incarnation, model_fingerprint
+from vllm_kvp2p.contract.identity import incarnation, model_fingerprint
 
 
 def vllm_config(instance_id: str = "1764600000000000000", **text: object) -> SimpleNamespace:

@@ -6,17 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_kvp2p.lifecycle import integrity
-from vllm_kvp2p.lifecycle.hold import HeldUnits
-from vllm_kvp2p.lifecycle.integrity import (
-    IntegrityMode,
-    Verdict,
-    judge,
-    pull_mode,
-    query_problem,
-    verification_for,
-)
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract.protocol import (
     MAX_DIGEST_QUESTION_BYTES,
     MAX_DIGEST_RANGES,
     MAX_DIGEST_UNITS,
@@ -26,6 +16,16 @@ from vllm_kvp2p.protocol import (
     UnitSums,
     decode_request,
     encode,
+)
+from vllm_kvp2p.lifecycle import integrity
+from vllm_kvp2p.lifecycle.hold import HeldUnits
+from vllm_kvp2p.lifecycle.integrity import (
+    IntegrityMode,
+    Verdict,
+    judge,
+    pull_mode,
+    query_problem,
+    verification_for,
 )
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors_py
 
@@ -179,7 +179,7 @@ def test_a_full_question_stays_within_what_p_side_channel_takes() -> None:
     """A big pull in full mode (64 layers x 1024 blocks) and a sliced one (4-byte runs): D asks about as many units
     as fit in MAX_DIGEST_QUESTION_BYTES, in order, and the release carrying the question stays under the 64 KiB P's
     side channel accepts (a bigger frame gets the connection dropped and the release lost)."""
-    from vllm_kvp2p.side_channel import MAX_REQUEST_BYTES
+    from vllm_kvp2p.contract.side_channel import MAX_REQUEST_BYTES
 
     planes = [PlaneGeometry(0x100000000 + i * 0x10000000, 8192, 8192, 4096) for i in range(64)]
     whole = Descriptors([0x900000000 + i * 8192 * 1024 for i in range(64)], [p.base_addr for p in planes],

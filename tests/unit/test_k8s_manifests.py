@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_kvp2p.config import KVP2PConfig
+from vllm_kvp2p.contract.config import KVP2PConfig
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 PREFILL = K8S / "prefill-tp16-lws.yaml"

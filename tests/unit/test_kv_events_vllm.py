@@ -158,7 +158,7 @@ def test_feed_follows_vllms_publisher_through_a_gap_and_garbage(
 def test_engine_warns_when_its_published_hashes_are_seeded_at_random() -> None:
     from types import SimpleNamespace
 
-    from vllm_kvp2p.compat import kv_event_hashes_problem
+    from vllm_kvp2p.connector.compat import kv_event_hashes_problem
 
     def config(enabled: bool, algo: str = "sha256") -> SimpleNamespace:
         return SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=enabled),

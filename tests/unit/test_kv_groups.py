@@ -7,15 +7,15 @@ import msgspec
 import pytest
 
 from tests.support.prompts import prompt, remote
-from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, load_failure_problem, needed_tail
+from vllm_kvp2p.contract.protocol import RankRegistration, RemotePrefill
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, LocalKV, Source
 from vllm_kvp2p.lifecycle.read_plan import read_descriptors
 from vllm_kvp2p.lifecycle.stages import plane_pairs
-from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
-from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, STATE, KVGroup, has_state, load_failure_problem, needed_tail
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice
 
 BS = 16
 FULL_G = KVGroup(FULL, BS)

@@ -1,4 +1,5 @@
-"""vllm_kvp2p.metrics against vLLM's real classes: KVConnectorStats semantics, the wire (pickle from the workers,
+"""vllm_kvp2p.connector.metrics against vLLM's real classes: KVConnectorStats semantics,
+the wire (pickle from the workers,
 msgspec to the API server), KVConnectorLogging's log line, KVConnectorProm on a fresh registry, MultiConnector.
 
 No engine: the connectors are stand-ins whose stats classmethods forward to the module functions, as the real
@@ -30,8 +31,8 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from vllm_kvp2p import metrics
-from vllm_kvp2p.metrics import Kvp2pPromMetrics, Kvp2pStats, build_kv_connector_stats, build_prom_metrics
+from vllm_kvp2p.connector import metrics
+from vllm_kvp2p.connector.metrics import Kvp2pPromMetrics, Kvp2pStats, build_kv_connector_stats, build_prom_metrics
 
 # vLLM 0.32 ships to_dict() and merges scheduler-side stats on every step; 0.23 ships .data, merges them only on
 # steps where a worker returned stats.
@@ -65,7 +66,7 @@ class _StandIn(KVConnectorBase_V1):
 
 
 class Kvp2pStandIn(_StandIn):
-    """What MooncakeP2PConnector's classmethods do: forward to vllm_kvp2p.metrics."""
+    """What MooncakeP2PConnector's classmethods do: forward to vllm_kvp2p.connector.metrics."""
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from vllm_kvp2p.pairing_key import LABELS, METRIC, PairingKey, kv_cache_dtype
+from vllm_kvp2p.contract.pairing_key import LABELS, METRIC, PairingKey, kv_cache_dtype
 from vllm_kvp2p.proxy.pairing import MAX_METRICS_CHARS, MAX_SAMPLES, mismatch, parse_metrics, read_metrics
 from vllm_kvp2p.proxy.pairing_probe import learn_pairing, probe_pairing
 from vllm_kvp2p.proxy.upstream import Upstream

@@ -8,14 +8,14 @@ import msgspec
 import pytest
 
 from tests.support.prompts import prompt, remote, tokens
-from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup, single_full_group
+from vllm_kvp2p.contract.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill, prompt_digest
 from vllm_kvp2p.lifecycle.admission import Admitted, Decoder, Refused, judge
 from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule, Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, FetchRegistration, Finish, LocalKV, SendClaim, SendRelease, Source
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill, prompt_digest
-from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, STATE, KVGroup, single_full_group
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice, Layout, rank_plan
 
 BS = 16
 PROMPT = 60

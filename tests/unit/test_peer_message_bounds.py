@@ -21,10 +21,9 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.kv_groups import FULL, SLIDING, STATE, KVGroup
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import (
     MAX_DIGEST_UNITS,
     MAX_ENGINE_RANKS,
     MAX_HOST_LENGTH,
@@ -48,9 +47,10 @@ from vllm_kvp2p.protocol import (
     Renew,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import MAX_REPLY_BYTES, SideChannelClient, SideChannelError
+from vllm_kvp2p.contract.side_channel import MAX_REPLY_BYTES, SideChannelClient, SideChannelError
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.interior import MAX_LAYOUT_DIGEST_LENGTH, PartLayout
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, STATE, KVGroup
 from vllm_kvp2p.transfer.slicing import MAX_PARTS, BlockShape
 
 # --------------------------------------------------------------------------- the types without their bounds
@@ -58,7 +58,7 @@ from vllm_kvp2p.transfer.slicing import MAX_PARTS, BlockShape
 _stripped: dict[type, type] = {}
 #: The modules whose structs peers send (protocol.py's, and the registration's parts defined elsewhere).
 _PEER_TYPE_MODULES = {protocol.__name__, "vllm_kvp2p.transfer.slicing", "vllm_kvp2p.transfer.interior",
-                      "vllm_kvp2p.kv_groups"}
+                      "vllm_kvp2p.transfer.kv_groups"}
 
 
 def unbounded(tp: Any) -> Any:
@@ -420,7 +420,7 @@ def test_the_frame_bound_to_the_byte_over_a_real_socket(client: SideChannelClien
 def test_a_servers_own_error_is_cut_to_what_a_client_decodes(client: SideChannelClient) -> None:
     """A handler's exception of 100,000 characters: the client gets P's error as such (cut to MAX_REASON_LENGTH),
     not an undecodable reply."""
-    from vllm_kvp2p.side_channel import SideChannelServer
+    from vllm_kvp2p.contract.side_channel import SideChannelServer
     from vllm_kvp2p.testing.server import free_port
 
     def handler(message: protocol.Request) -> protocol.Reply:
@@ -453,8 +453,8 @@ class TablesFromAnyone:
 
 
 def resolve_many(tables: object, client: TablesFromAnyone, entries: int) -> None:
+    from vllm_kvp2p.contract.protocol import RemotePrefill
     from vllm_kvp2p.lifecycle.consumer import PullPlan
-    from vllm_kvp2p.protocol import RemotePrefill
 
     for i in range(entries):
         remote = RemotePrefill("p", "r", "10.0.0.1", 1 + i, [[1]], "h", 16, 16, tp_size=client.ranks)
@@ -466,7 +466,7 @@ def test_the_rank_tables_d_keeps_are_bounded_by_their_ranks() -> None:
     """100 entry points each answering a valid table of 1024 ranks: D keeps the 64 most recent (65,536 ranks,
     ~26 MiB at the longest hosts), not all 100 (MAX_PEERS = 1024 such tables: ~0.4 GiB). Paired: the same with no
     bound on ranks keeps every table. Real-sized engines (8 ranks) are all kept, up to MAX_PEERS."""
-    from vllm_kvp2p.rank_tables import MAX_CACHED_RANKS, RankTables
+    from vllm_kvp2p.decode.rank_tables import MAX_CACHED_RANKS, RankTables
 
     bounded, unbounded_tables = RankTables(protocol.ANY_PORT), RankTables(protocol.ANY_PORT, max_ranks=1 << 40)
     for tables in (bounded, unbounded_tables):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from vllm_kvp2p.contract.protocol import ANY_PORT, ClaimReply, ClaimStatus, RankRegistration, Released, RemotePrefill
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import (
     ConsumerPull,
@@ -21,10 +22,9 @@ from vllm_kvp2p.lifecycle.pull import (
 )
 from vllm_kvp2p.lifecycle.rank_table import entry_only, table_of, table_problem
 from vllm_kvp2p.lifecycle.stages import coverage_problem, plane_pairs, sources_of
-from vllm_kvp2p.protocol import ANY_PORT, ClaimReply, ClaimStatus, RankRegistration, Released, RemotePrefill
-from vllm_kvp2p.tp_mapping import HeadSlice, Layout, rank_plan
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice, Layout, rank_plan
 
 BS = 16
 SHAPE = BlockShape(True, 2, BS, 16)  # two heads, 512-byte blocks

@@ -30,12 +30,12 @@ cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="Moon
 print(cls.__module__, cls.__name__, "MooncakeConnector" in KVConnectorFactory._registry)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "vllm_kvp2p.connector MooncakeP2PConnector True"
+    assert out.strip().splitlines()[-1] == "vllm_kvp2p.connector.facade MooncakeP2PConnector True"
 
 
 def test_sleep_mode_is_refused() -> None:
     """vLLM >= 0.33 asks connectors before honouring --enable-sleep-mode (config/vllm.py) and its base says yes;
     sleep would free or remap the KV cache Mooncake has registered for peers, so this connector says no."""
-    from vllm_kvp2p.connector import MooncakeP2PConnector
+    from vllm_kvp2p.connector.facade import MooncakeP2PConnector
 
     assert MooncakeP2PConnector.supports_sleep_mode(None) is False

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
+from vllm_kvp2p.contract.protocol import MAX_TP_SIZE, ClaimStatus
 from vllm_kvp2p.lifecycle.producer import MAX_EARLY_RELEASES, STALE_SLACK, HoldState, ProducerLedger
-from vllm_kvp2p.protocol import MAX_TP_SIZE, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 
@@ -342,8 +342,8 @@ def test_a_claim_resent_after_a_lost_reply_gets_the_same_lease_back() -> None:
 
 def test_two_holds_of_one_id_ending_together_reach_vllm_in_two_steps() -> None:
     """vLLM takes finished ids as a set: the hold service reports the second at the next call."""
-    from vllm_kvp2p.hold_service import HoldService
-    from vllm_kvp2p.protocol import RankRegistration
+    from vllm_kvp2p.contract.protocol import RankRegistration
+    from vllm_kvp2p.prefill.hold_service import HoldService
     from vllm_kvp2p.testing.server import free_port
     from vllm_kvp2p.transfer.descriptors import PlaneGeometry
     from vllm_kvp2p.transfer.slicing import BlockShape
@@ -634,8 +634,8 @@ def test_renewals_are_cut_at_ds_deadline_plus_clock_skew() -> None:
 def test_the_hold_service_passes_the_claims_deadline_and_its_wall_clock() -> None:
     import time
 
-    from vllm_kvp2p.hold_service import HoldService
-    from vllm_kvp2p.protocol import Claim, ClaimReply, RankRegistration
+    from vllm_kvp2p.contract.protocol import Claim, ClaimReply, RankRegistration
+    from vllm_kvp2p.prefill.hold_service import HoldService
     from vllm_kvp2p.testing.server import free_port
     from vllm_kvp2p.transfer.descriptors import PlaneGeometry
     from vllm_kvp2p.transfer.slicing import BlockShape
@@ -660,7 +660,7 @@ def test_a_claim_without_deadline_ms_decodes_as_not_given() -> None:
     """An older D's claim has no deadline_ms: it decodes as 0 (not given), and a new one carries it."""
     import msgspec
 
-    from vllm_kvp2p.protocol import Claim, decode_request, encode
+    from vllm_kvp2p.contract.protocol import Claim, decode_request, encode
 
     older = msgspec.msgpack.encode({"type": "claim", "request_id": "r", "hold_id": "h", "reader": "d:0",
                                     "expected_readers": 1})

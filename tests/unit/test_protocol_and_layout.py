@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvp2p import protocol
-from vllm_kvp2p.protocol import Claim, ClaimReply, ClaimStatus, GetRegistration, Release, RemotePrefill
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.protocol import Claim, ClaimReply, ClaimStatus, GetRegistration, Release, RemotePrefill
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.layout import LayoutError, TensorView, coalesce_regions, planes_of
 

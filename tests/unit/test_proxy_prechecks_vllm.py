@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from vllm_kvp2p import compat
+from vllm_kvp2p.connector import compat
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.upstream import ProxyError
 from vllm_kvp2p.proxy.validation import Limits

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tests.support.prompts import remote
+from vllm_kvp2p.contract.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill, UnitSums
 from vllm_kvp2p.lifecycle import question_queue as qq
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, NoSums
 from vllm_kvp2p.lifecycle.pull import ConsumerPull, Finish, LocalKV, Outcome, SendRelease, Source, Wait
 from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue
-from vllm_kvp2p.protocol import ClaimReply, ClaimStatus, RankRegistration, RemotePrefill, UnitSums
-from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice
 
 MIB = 1 << 20
 UNIT = 256 << 10  # a unit of 256 KiB

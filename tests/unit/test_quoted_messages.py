@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.prompts import prompt, remote
-from vllm_kvp2p import compat
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.config import ConfigError, KVP2PConfig
-from vllm_kvp2p.kv_groups import FULL, SLIDING, KVGroup, single_full_group
+from vllm_kvp2p.connector import compat
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
 from vllm_kvp2p.lifecycle.admission import Decoder, Prompt, Refused, judge
 from vllm_kvp2p.lifecycle.pull_actions import LocalKV
 from vllm_kvp2p.lifecycle.stages import coverage_problem
-from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, KVGroup, single_full_group
+from vllm_kvp2p.transfer.tp_mapping import Layout, UnsupportedLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def _never_pairing(caplog_records: list[str]) -> str:
     import dataclasses
     import logging
 
-    from vllm_kvp2p.pairing_key import PairingKey
+    from vllm_kvp2p.contract.pairing_key import PairingKey
     from vllm_kvp2p.proxy.disaggregation import Mode
     from vllm_kvp2p.proxy.instances import InstancePool
     from vllm_kvp2p.proxy.placement import Placer
@@ -143,7 +143,7 @@ def _signed_then_expired() -> str:
 
 
 def _bind_refused() -> str:
-    from vllm_kvp2p.side_channel import SideChannelError, SideChannelServer
+    from vllm_kvp2p.contract.side_channel import SideChannelError, SideChannelServer
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -177,10 +177,10 @@ def _proxy_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
 
 def _lora_refusal(tmp_path: Path, *, changed: bool) -> str:
     """D's verdict when its LoRA adapter cannot be bound: not readable here, or its files rewritten after the engine
-    first read them (vllm_kvp2p/lora_weights.py)."""
+    first read them (vllm_kvp2p/connector/lora_weights.py)."""
     from types import SimpleNamespace
 
-    from vllm_kvp2p.lora_weights import AdapterBook
+    from vllm_kvp2p.connector.lora_weights import AdapterBook
 
     directory = tmp_path / "sql"
     if changed:
@@ -361,7 +361,7 @@ CASES = [
            "(...)", lambda tmp_path: _lora_refusal(tmp_path, changed=True), part=True),
     Quoted("routing.md",
            "never pairing prefill instance http://a:8100 with decode instance http://b:8200: they cannot exchange KV: "
-           "model fingerprint: P 3f…, D 9c… (the same model on both, vllm_kvp2p/identity.py)",
+           "model fingerprint: P 3f…, D 9c… (the same model on both, vllm_kvp2p/contract/identity.py)",
            lambda: _never_pairing([])),
     Quoted("routing.md", "--slo='ttft=300ms': tpot missing (give both: ttft=<time>,tpot=<time>)", _slo_refused),
 ]

@@ -5,8 +5,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from vllm_kvp2p.contract.protocol import (
+    ANY_PORT,
+    MAX_TP_SIZE,
+    RankEndpoint,
+    RankTable,
+    RemotePrefill,
+    decode_reply,
+    encode,
+)
 from vllm_kvp2p.lifecycle.rank_table import endpoints_of, entry_only, host_problem, table_of, table_problem
-from vllm_kvp2p.protocol import ANY_PORT, MAX_TP_SIZE, RankEndpoint, RankTable, RemotePrefill, decode_reply, encode
 
 ENTRY = ("10.0.0.1", 20000)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_kvp2p.contract.protocol import ClaimStatus, DigestQuery, UnitRanges, UnitSums
 from vllm_kvp2p.lifecycle.integrity import Verdict, judge
 from vllm_kvp2p.lifecycle.producer import ProducerLedger
 from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
-from vllm_kvp2p.protocol import ClaimStatus, DigestQuery, UnitRanges, UnitSums
 
 QUESTION = b"fingerprint-of-the-release"
 SUMS = b"the-sums"

@@ -78,7 +78,7 @@ def test_the_paths_cover_what_the_release_check_runs() -> None:
     """Every test path check_vllm_releases.sh runs is under RAN_PATHS, and so is the package."""
     paths = _ran_paths()
     covered = lambda target: any(target == p or target.startswith(p.rstrip("/") + "/") for p in paths)  # noqa: E731
-    for target in [*_script_tests(), "vllm_kvp2p/compat.py", "csrc"]:
+    for target in [*_script_tests(), "vllm_kvp2p/connector/compat.py", "csrc"]:
         assert covered(target), f"{target} (run by scripts/check_vllm_releases.sh) is not in RAN_PATHS"
 
 
@@ -132,7 +132,7 @@ def test_the_table_s_rule_on_records_around_the_last_change(git_history: None) -
     parent = _git("rev-parse", "--verify", "--quiet", f"{last}^").stdout.strip()
     if parent:
         assert not table.is_current({**passed, "commit": parent})
-    assert not table.is_current({**passed, "commit": head, "dirty": ["vllm_kvp2p/compat.py"]})
+    assert not table.is_current({**passed, "commit": head, "dirty": ["vllm_kvp2p/connector/compat.py"]})
     assert not table.is_current({**passed, "commit": head, "exit": 1, "failed": 1})
     assert not table.is_current(passed)
 

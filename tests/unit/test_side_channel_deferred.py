@@ -1,5 +1,5 @@
 """A side-channel handler may answer later (a Future): the server thread meanwhile answers everything else, and
-sends the deferred answer, sealed for its own request, once it is set (vllm_kvp2p/side_channel.py)."""
+sends the deferred answer, sealed for its own request, once it is set (vllm_kvp2p/contract/side_channel.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from concurrent.futures import Future
 import pytest
 import zmq
 
-from vllm_kvp2p import protocol, side_channel
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.protocol import ErrorReply, GetRankTable, GetRegistration, Reply, Request
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from vllm_kvp2p.contract import protocol, side_channel
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import ErrorReply, GetRankTable, GetRegistration, Reply, Request
+from vllm_kvp2p.contract.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from vllm_kvp2p.testing.server import free_port
 
 SECRET = b"s" * 32

@@ -14,11 +14,9 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.lifecycle.producer import HoldState
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import (
     MAX_TP_SIZE,
     Abandon,
     Claim,
@@ -31,7 +29,9 @@ from vllm_kvp2p.protocol import (
     Released,
     Renew,
 )
-from vllm_kvp2p.side_channel import SideChannelClient
+from vllm_kvp2p.contract.side_channel import SideChannelClient
+from vllm_kvp2p.lifecycle.producer import HoldState
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.testing.server import free_port
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 from vllm_kvp2p.transfer.slicing import BlockShape

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from vllm_kvp2p.step_wakeup import StepNotifier, StepWaiter
+from vllm_kvp2p.connector.step_wakeup import StepNotifier, StepWaiter
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_a_flood_of_datagrams_only_shortens_idle_sleeps(engine_id: str) -> None:
     import threading
     import time
 
-    from vllm_kvp2p.step_wakeup import address
+    from vllm_kvp2p.connector.step_wakeup import address
 
     waiter = StepWaiter(engine_id, 0)
     stop = threading.Event()

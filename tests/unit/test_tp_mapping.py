@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvp2p.tp_mapping import HeadSlice, Layout, UnsupportedLayout, rank_plan
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice, Layout, UnsupportedLayout, rank_plan
 
 # (total KV heads, TP size) -> the global KV heads of each TP rank, rank 0 first. Transcribed from vLLM 0.32.0 (the
 # same lines in 0.23.0), vllm/model_executor/layers/linear.py, QKVParallelLinear.__init__ (:1053-1058):

@@ -19,7 +19,7 @@ SCRIPT = ROOT / "scripts" / "vllm_releases_table.py"
 
 
 def _releases_in_source(name: str) -> set[tuple[int, int, int]]:
-    tree = ast.parse((ROOT / "vllm_kvp2p" / "compat.py").read_text())
+    tree = ast.parse((ROOT / "vllm_kvp2p" / "connector" / "compat.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == name:
             return set(ast.literal_eval(node.value.args[0]))  # frozenset({...})

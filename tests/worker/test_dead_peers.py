@@ -11,12 +11,12 @@ import zmq
 
 from tests.support.ports import free_port
 from tests.worker.test_pull_two_engines import BLOCK, Pair
-from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.contract.protocol import RemotePrefill
+from vllm_kvp2p.contract.side_channel import PeerRefused, SideChannelClient, probe
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import Outcome, PullResult
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.side_channel import PeerRefused, SideChannelClient, probe
+from vllm_kvp2p.prefill.hold_service import HoldService
 
 SIDE_CHANNEL_TIMEOUT = 3.0
 
@@ -55,7 +55,7 @@ def test_probe_tells_dead_from_alive() -> None:
     client = SideChannelClient(5.0)
     t0 = time.monotonic()
     try:
-        from vllm_kvp2p.protocol import GetRegistration
+        from vllm_kvp2p.contract.protocol import GetRegistration
 
         client.request("127.0.0.1", port, GetRegistration(0))
     except PeerRefused:

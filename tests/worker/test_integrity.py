@@ -14,11 +14,7 @@ import torch
 
 from tests.worker.test_pull_two_engines import NUM_LAYERS, Pair
 from tests.worker.test_trust_boundaries import raw_request
-from vllm_kvp2p.lifecycle import integrity
-from vllm_kvp2p.lifecycle.consumer import Failure
-from vllm_kvp2p.lifecycle.integrity import IntegrityMode
-from vllm_kvp2p.lifecycle.pull import Outcome
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract.protocol import (
     MAX_DIGEST_UNITS,
     Claim,
     ClaimStatus,
@@ -28,7 +24,11 @@ from vllm_kvp2p.protocol import (
     Renew,
     decode_reply,
 )
-from vllm_kvp2p.side_channel import SideChannelClient
+from vllm_kvp2p.contract.side_channel import SideChannelClient
+from vllm_kvp2p.lifecycle import integrity
+from vllm_kvp2p.lifecycle.consumer import Failure
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode
+from vllm_kvp2p.lifecycle.pull import Outcome
 from vllm_kvp2p.transfer.digest import digest_reference
 
 

@@ -25,13 +25,8 @@ import zmq
 
 from tests.support.ports import free_port
 from tests.worker.engine_teardown import close_later
-from vllm_kvp2p import protocol, pull_loop
-from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
-from vllm_kvp2p.lifecycle.integrity import IntegrityMode
-from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome, PullResult
-from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.protocol import (
     Claim,
     ClaimStatus,
     DigestQuery,
@@ -42,8 +37,14 @@ from vllm_kvp2p.protocol import (
     Request,
     UnitRanges,
 )
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.side_channel import MAX_COPIES, MAX_DEFERRED, SideChannelClient
+from vllm_kvp2p.contract.side_channel import MAX_COPIES, MAX_DEFERRED, SideChannelClient
+from vllm_kvp2p.decode import pull_loop
+from vllm_kvp2p.decode.pull_loop import PullLoop
+from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
+from vllm_kvp2p.lifecycle.integrity import IntegrityMode
+from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome, PullResult
+from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry
@@ -348,7 +349,7 @@ def test_a_question_the_sums_thread_fails_on_is_answered_and_the_next_is_summed(
         make_pair: Callable[..., BigPair], monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug on one question (here: its check raises) must not stop P's sums thread: that release is answered
     without sums (D counts the pull unverified, never failed) and the next reader's question is summed."""
-    import vllm_kvp2p.hold_service as hold_service
+    import vllm_kvp2p.prefill.hold_service as hold_service
 
     real, calls = hold_service.query_problem, []
 

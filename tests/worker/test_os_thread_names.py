@@ -23,8 +23,8 @@ def names():
 
 before = names()
 from vllm_kvp2p import os_threads
-from vllm_kvp2p.protocol import ErrorReply
-from vllm_kvp2p.side_channel import SideChannelServer
+from vllm_kvp2p.contract.protocol import ErrorReply
+from vllm_kvp2p.contract.side_channel import SideChannelServer
 from vllm_kvp2p.testing.server import free_port
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 

@@ -19,11 +19,11 @@ import pytest
 
 from tests.unit.test_peer_message_bounds import RawP, _old_replies, registration_with
 from tests.worker.test_pull_two_engines import BLOCK, D_BLOCKS, _kv, _local
+from vllm_kvp2p.contract.protocol import MAX_PLANES, RemotePrefill
+from vllm_kvp2p.contract.side_channel import MAX_REPLY_BYTES
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull import Outcome, PullResult
-from vllm_kvp2p.protocol import MAX_PLANES, RemotePrefill
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.side_channel import MAX_REPLY_BYTES
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 
 SIDE_CHANNEL_TIMEOUT = 5.0  # what a dropped reply cost before: the whole of it, per request

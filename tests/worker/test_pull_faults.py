@@ -12,13 +12,13 @@ import msgspec
 import pytest
 
 from tests.worker.test_pull_two_engines import Pair
-from vllm_kvp2p.auth import Authenticator
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import Claim, Release, Reply, Request
+from vllm_kvp2p.contract.side_channel import SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import Failure
 from vllm_kvp2p.lifecycle.producer import HoldState
 from vllm_kvp2p.lifecycle.pull import Outcome, PullResult
-from vllm_kvp2p.protocol import Claim, Release, Reply, Request
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
 SECRET = b"worker-level-fault-secret-0123456789"
 SKEW_MS = 100_000  # D's clock 100 s ahead of P's, beyond clock_skew (30 s)

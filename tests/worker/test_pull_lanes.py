@@ -15,10 +15,10 @@ import zmq
 
 from tests.support.ports import free_port
 from tests.worker.test_pull_two_engines import BLOCK, Pair
+from vllm_kvp2p.contract.protocol import RemotePrefill
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull import Outcome
-from vllm_kvp2p.protocol import RemotePrefill
-from vllm_kvp2p.pull_loop import PullLoop
 
 FROZEN_TIMEOUT = 2.0  # D's side-channel timeout in this test: the frozen P's pull fails after it
 
@@ -88,9 +88,9 @@ def test_pulls_from_one_p_overlap_their_round_trips_but_not_their_reads(
     Mooncake reads still take turns (one read slot per P: at most max_batch_entries in flight per peer)."""
     import threading
 
-    from vllm_kvp2p import pull_lanes
-    from vllm_kvp2p.protocol import Claim
-    from vllm_kvp2p.side_channel import SideChannelClient
+    from vllm_kvp2p.contract.protocol import Claim
+    from vllm_kvp2p.contract.side_channel import SideChannelClient
+    from vllm_kvp2p.decode import pull_lanes
 
     monkeypatch.setattr(pull_lanes, "LANES_PER_PEER", lanes_per_peer)
     claims: list[tuple[float, float]] = []

@@ -11,13 +11,13 @@ import torch
 
 from tests.support.ports import free_port
 from tests.worker.engine_teardown import close_later
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import RankRegistration, RemotePrefill
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
-from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
-from vllm_kvp2p.pull_loop import PullLoop
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry
@@ -175,7 +175,7 @@ def test_dead_p_fails_fast() -> None:
 
 
 def test_side_channel_port_collision_names_the_port_and_setting(pair: Pair) -> None:
-    from vllm_kvp2p.side_channel import SideChannelError
+    from vllm_kvp2p.contract.side_channel import SideChannelError
 
     with pytest.raises(SideChannelError) as info:
         HoldService(pair.holds.registration, "127.0.0.1", pair.port, hold_timeout=1, lease_timeout=1)
@@ -232,7 +232,7 @@ def _record_messages(p: Pair, strip_registration: bool = False) -> list[str]:
     does not know ``Claim.with_registration``)."""
     import msgspec
 
-    from vllm_kvp2p.protocol import ClaimReply
+    from vllm_kvp2p.contract.protocol import ClaimReply
 
     seen: list[str] = []
     handler = p.holds._server._handler

@@ -15,11 +15,11 @@ import pytest
 
 from tests.worker.test_integrity import pull
 from tests.worker.test_pull_two_engines import NUM_LAYERS, Pair
-from vllm_kvp2p import protocol
+from vllm_kvp2p.connector.metrics import Kvp2pStats
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.protocol import Released
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import Outcome
-from vllm_kvp2p.metrics import Kvp2pStats
-from vllm_kvp2p.protocol import Released
 
 
 @pytest.fixture(scope="module")

@@ -28,18 +28,18 @@ import torch
 from tests.support.ports import free_port_run
 from tests.support.vllm_cpu_kv import kv_shape, write_tokens
 from tests.worker.vllm_kv_heads import vllm_kv_heads, vllm_kv_heads_by_rank
-from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.contract.protocol import RankRegistration, RemotePrefill
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode
 from vllm_kvp2p.lifecycle.pull import LocalKV, Outcome
 from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.platform.cpu import CpuPlatform
-from vllm_kvp2p.protocol import RankRegistration, RemotePrefill
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.tp_mapping import Layout
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.transfer.digest import KVMemory, sums_of_units
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 from vllm_kvp2p.transfer.layout import TensorView, kv_geometry
+from vllm_kvp2p.transfer.tp_mapping import Layout
 
 LAYERS, HEAD_DIM, MLA_LATENT = 2, 32, 48
 ARENA_BYTES = 8 << 20
@@ -158,7 +158,7 @@ def run_layout(ranks, p_tp: int, d_tp: int, *, heads: int, mla: bool, p_bs: int,
     entry_host = p_ranks[0].engine.host
     advertised = {r: (entry_host if single_host_table else p_ranks[r].engine.host, base_port + r)
                   for r in range(p_tp)}
-    for hs in holds:  # what the ranks gather over vLLM's TP group in a real engine (vllm_kvp2p/worker.py)
+    for hs in holds:  # what the ranks gather over vLLM's TP group in a real engine (vllm_kvp2p/connector/worker.py)
         hs.rank_table = table_of(engine_id, "", advertised)
     try:
         for hs in holds:

@@ -12,14 +12,14 @@ import zmq
 
 from tests.support.ports import free_port
 from tests.worker.test_pull_two_engines import BLOCK, P_BLOCKS, Pair, _kv, _planes
-from vllm_kvp2p import protocol
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.hold_service import HoldService
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import Claim, ErrorReply, GetRegistration, Registration, Release, RemotePrefill
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.pull import Outcome
 from vllm_kvp2p.lifecycle.rank_table import table_of
-from vllm_kvp2p.protocol import Claim, ErrorReply, GetRegistration, Registration, Release, RemotePrefill
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.transfer.engine import MooncakeEngine
 
 SECRET = b"worker-level-test-secret-0123456789"
@@ -158,7 +158,7 @@ def test_a_registration_whose_segment_is_on_another_host_is_refused() -> None:
 
 def test_the_side_channel_speaks_ipv6() -> None:
     """remote_host may be an IPv6 address (the params check accepts one): P binds it, D reaches it in brackets."""
-    from vllm_kvp2p.side_channel import SideChannelClient, endpoint
+    from vllm_kvp2p.contract.side_channel import SideChannelClient, endpoint
 
     assert endpoint("::1", 14600) == "tcp://[::1]:14600" and endpoint("10.0.0.7", 1) == "tcp://10.0.0.7:1"
     port = free_port()
@@ -203,8 +203,8 @@ def test_a_forged_rank_table_from_a_peer_without_the_secret_is_refused(secured: 
 
 def test_without_the_secret_the_forged_rank_table_would_be_taken() -> None:
     """The control: D without the secret takes the same table and would contact the host it names for rank 1."""
-    from vllm_kvp2p.rank_tables import RankTables
-    from vllm_kvp2p.side_channel import SideChannelClient
+    from vllm_kvp2p.contract.side_channel import SideChannelClient
+    from vllm_kvp2p.decode.rank_tables import RankTables
 
     port = free_port()
     forger = HoldService(_registration_on("127.0.0.2"), "127.0.0.2", port, hold_timeout=30, lease_timeout=30)

@@ -1,5 +1,5 @@
 """Which global KV heads a TP rank holds, as vLLM itself shards the attention weights: the reference the TP tests
-hold ``vllm_kvp2p.tp_mapping`` to (never ``Layout.heads_of``, the code under test).
+hold ``vllm_kvp2p.transfer.tp_mapping`` to (never ``Layout.heads_of``, the code under test).
 
 ``QKVParallelLinear`` (vllm/model_executor/layers/linear.py) is built for the given TP size and rank, and its own
 weight loader loads the K and V rows of a checkpoint whose every row holds the index of its head; the rows that land

@@ -7,7 +7,7 @@
 ``check`` reads the environment and the ``--kv-transfer-config`` an engine would be given, prints every
 resolved setting with its source and one line per finding, and exits 1 when any is a problem
 (vllm_kvp2p/cli/check.py). ``config-reference`` prints the settings table of docs/configuration.md, generated
-from vllm_kvp2p/config.py (or rewrites it in that file). The proxy and the demo keep their own console scripts.
+from vllm_kvp2p/contract/config.py (or rewrites it in that file). The proxy and the demo keep their own console scripts.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ref.add_argument("--write", type=Path, default=None, help="replace the generated table in this file")
     args = parser.parse_args(argv)
     if args.command == "config-reference":
-        from vllm_kvp2p.config_reference import reference_table, with_reference_table
+        from vllm_kvp2p.contract.config_reference import reference_table, with_reference_table
 
         if args.write is None:
             sys.stdout.write(reference_table())

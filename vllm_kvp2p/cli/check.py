@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_kvp2p.config import ConfigError, KVP2PConfig
+from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
 from vllm_kvp2p.transfer.timeouts import transport_timeouts
 
 CONNECTOR_NAME = "MooncakeP2PConnector"
@@ -109,7 +109,7 @@ def transfer_config_findings(kv_transfer_config: Mapping[str, Any]) -> list[Find
 
 
 def version_findings(env: Mapping[str, str]) -> list[Finding]:
-    from vllm_kvp2p import compat
+    from vllm_kvp2p.connector import compat
 
     try:
         vllm_version = compat.installed_vllm_version()
@@ -198,7 +198,7 @@ def transport_findings(config: KVP2PConfig, protocol: str, rdma_devices: Path = 
                             f"({', '.join(devices)})")]
         return [Finding(OK, "protocol", f"rdma with {', '.join(wanted) or 'any of ' + ', '.join(devices)}")]
     if protocol == "ascend":
-        from vllm_kvp2p.compat import _distribution_version
+        from vllm_kvp2p.connector.compat import _distribution_version
 
         if _distribution_version("mooncake-transfer-engine-npu") is None:
             return [Finding(PROBLEM, "protocol", "ascend needs Mooncake's NPU build, mooncake-transfer-engine-npu "
@@ -355,7 +355,7 @@ def run(kv_transfer_config: Mapping[str, Any], env: Mapping[str, str], tp_size: 
     report.findings.append(Finding(OK, "timers", "settings valid, timers consistent (lease_timeout outlasts a "
                                    "pull's longest action: 1.5 x (max(transfer_timeout + 1.5 s, side_channel_timeout)"
                                    " + 1 s); pull_timeout >= side_channel_timeout)"))
-    from vllm_kvp2p.compat import node_ip
+    from vllm_kvp2p.connector.compat import node_ip
     from vllm_kvp2p.platform import get_platform
 
     try:

@@ -4,13 +4,14 @@ clocks or torch (the clock behind a signature's expiry is inside the ``authentic
 Any client of D's HTTP API can send any JSON as params, so every check of them against D's request is made here
 and nowhere else, in this order:
 
-1. they convert to :class:`~vllm_kvp2p.protocol.RemotePrefill` (types and absolute bounds are part of the type;
+1. they convert to :class:`~vllm_kvp2p.contract.protocol.RemotePrefill` (types and absolute bounds are part of the type;
    a value outside them is refused naming its field), and every text field is valid Unicode;
-2. with a shared secret, P signed them, unchanged and unexpired (vllm_kvp2p/auth.py);
+2. with a shared secret, P signed them, unchanged and unexpired (vllm_kvp2p/contract/auth.py);
 3. P's address: an IP address (never a name: nothing on the request path resolves names, and the Mooncake segment
    P registers is compared with it as an address), its side-channel ports inside ``peer_ports``;
 4. they are for this prompt: ``remote_prompt_digest`` equals the digest of the request's own first
-   ``remote_num_tokens`` tokens (vllm_kvp2p/protocol.py, ``prompt_digest``); if not, D contacts no one (the hold
+   ``remote_num_tokens`` tokens (vllm_kvp2p/contract/protocol.py, ``prompt_digest``);
+   if not, D contacts no one (the hold
    is another request's, which may still claim it);
 5. coverage is exact: every KV-cache group offers exactly the blocks vLLM allocated for ``remote_num_tokens`` of
    that group's kind (kv_groups.needed_count), none repeated and none vLLM's null block, so D never tells vLLM it
@@ -32,9 +33,7 @@ from typing import Annotated
 
 import msgspec
 
-from vllm_kvp2p.kv_groups import FULL, NULL_BLOCK_ID, KVGroup, has_state, needed_count, prompt_blocks
-from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract.protocol import (
     ANY_PORT,
     MAX_ENGINE_RANKS,
     MAX_HOST_LENGTH,
@@ -44,6 +43,8 @@ from vllm_kvp2p.protocol import (
     PortRanges,
     RemotePrefill,
 )
+from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.transfer.kv_groups import FULL, NULL_BLOCK_ID, KVGroup, has_state, needed_count, prompt_blocks
 
 #: Characters of a reason kept (it quotes what the client sent; it goes to a WARNING and to the client).
 MAX_REASON = 500
@@ -65,7 +66,7 @@ class Decoder:
     @property
     def holdback(self) -> int:
         """A recurrent state cannot be rewound: D loads all but the last prompt token and computes that one itself
-        (P prefills as many, see vllm_kvp2p/kv_groups.py)."""
+        (P prefills as many, see vllm_kvp2p/transfer/kv_groups.py)."""
         return 1 if has_state(self.groups) else 0
 
     @property
@@ -76,7 +77,8 @@ class Decoder:
 
 class UnboundPrompt(ValueError):
     """A request's KV depends on something this process cannot identify (a LoRA adapter whose weights it cannot
-    read: vllm_kvp2p/lora_weights.py), so its prompt cannot be bound to P's: P offers no params for it, D refuses
+    read: vllm_kvp2p/connector/lora_weights.py), so its prompt cannot be bound to P's:
+    P offers no params for it, D refuses
     any. Raised by :attr:`Prompt.digest`; the message names what to change."""
 
 

@@ -11,9 +11,9 @@ import ipaddress
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vllm_kvp2p.kv_groups import STATE, KVGroup
+from vllm_kvp2p.contract.protocol import PROTOCOL_VERSION, RankRegistration
 from vllm_kvp2p.lifecycle.stages import plane_pairs, staged, unknown_layers_problem
-from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration
+from vllm_kvp2p.transfer.kv_groups import STATE, KVGroup
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def registration_problem(plan: PullPlan, local: LocalKV, source: Source, reg: Ra
                 f"channel ({rank_host!r}); D reads only from the host P named")
     if local.model_fingerprint and reg.model_fingerprint != local.model_fingerprint:
         return (f"model: P serves fingerprint {reg.model_fingerprint or 'none'}, D {local.model_fingerprint} "
-                "(the same model on both, vllm_kvp2p/identity.py)")
+                "(the same model on both, vllm_kvp2p/contract/identity.py)")
     if reg.num_blocks <= max((b for ids in plan.remote_block_ids for b in ids), default=-1):
         return f"the params name blocks beyond the {reg.num_blocks} blocks of P rank {reg.rank}"
     if reg.block_size != r.remote_block_size:

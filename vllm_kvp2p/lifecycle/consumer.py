@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvp2p.kv_groups import KVGroup, single_full_group
+from vllm_kvp2p.contract.protocol import ANY_PORT, PortRanges, RemotePrefill
 from vllm_kvp2p.lifecycle.admission import UNPARSED, Admitted, Decoder, Prompt, Refused, Verdict, judge
 from vllm_kvp2p.lifecycle.failure import Failure
 from vllm_kvp2p.lifecycle.shared_holds import HoldUse, Role, SharedHolds
-from vllm_kvp2p.protocol import ANY_PORT, PortRanges, RemotePrefill
+from vllm_kvp2p.transfer.kv_groups import KVGroup, single_full_group
 
 __all__ = ["Admission", "ConsumerSchedule", "Failure", "PullPlan", "TEST_CORRUPT_KEY"]
 
@@ -107,7 +107,7 @@ class ConsumerSchedule:
         hold_lifetime: float = HOLD_LIFETIME,
     ) -> None:
         """``peer_ports``: the side-channel ports params may name. ``authenticate``: with a shared secret, why
-        params are not P's ("" when they are; vllm_kvp2p/auth.py): such params make D contact no one.
+        params are not P's ("" when they are; vllm_kvp2p/contract/auth.py): such params make D contact no one.
         ``hold_lifetime``: seconds params can be used after P issued them (``hold_timeout`` + ``clock_skew``): how
         long a hold an n > 1 child read is remembered after that child ended, for its late siblings."""
         self.block_size = block_size
@@ -293,7 +293,7 @@ class ConsumerSchedule:
                                       f"of {p_bs}")
             return PullPlan(request_id, remote, local, (remote_ids,), awaiting=True, remote_token_offset=offset)
         # Several KV-cache groups (HMA), one block size: per group, D's needed tail pairs with the tail of P's list
-        # (both lists end at the prompt's last block, see vllm_kvp2p/kv_groups.py).
+        # (both lists end at the prompt's last block, see vllm_kvp2p/transfer/kv_groups.py).
         if load_end != remote.remote_num_tokens:
             return self._internal(request_id, remote, local, f"vLLM loads {load_end} tokens, P computed "
                                   f"{remote.remote_num_tokens}")

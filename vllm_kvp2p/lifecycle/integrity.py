@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import msgspec
 
+from vllm_kvp2p.contract.protocol import MAX_DIGEST_QUESTION_BYTES, DigestQuery, UnitRanges, UnitSums
+from vllm_kvp2p.contract.protocol import MAX_DIGEST_RANGES as MAX_RANGES
+from vllm_kvp2p.contract.protocol import MAX_DIGEST_UNITS as MAX_UNITS
 from vllm_kvp2p.lifecycle.hold import HeldUnits
-from vllm_kvp2p.protocol import MAX_DIGEST_QUESTION_BYTES, DigestQuery, UnitRanges, UnitSums
-from vllm_kvp2p.protocol import MAX_DIGEST_RANGES as MAX_RANGES
-from vllm_kvp2p.protocol import MAX_DIGEST_UNITS as MAX_UNITS
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
 
 _encoder = msgspec.msgpack.Encoder()

@@ -57,6 +57,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_kvp2p.contract.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, AbandonOutcome, ClaimReply, ClaimStatus
 from vllm_kvp2p.lifecycle import release_answers as answers
 from vllm_kvp2p.lifecycle.deadline_heap import STALE_SLACK as STALE_SLACK  # re-exported (its bound, tests)
 from vllm_kvp2p.lifecycle.deadline_heap import DeadlineHeap
@@ -64,7 +65,6 @@ from vllm_kvp2p.lifecycle.hold import Blocks, HeldUnits, Hold, HoldState, Lease
 from vllm_kvp2p.lifecycle.hold_memory import EarlyReleases, Tombstones
 from vllm_kvp2p.lifecycle.live_holds import LiveHolds
 from vllm_kvp2p.lifecycle.release_answers import ReleaseAnswer
-from vllm_kvp2p.protocol import MAX_ID_LENGTH, MAX_TP_SIZE, AbandonOutcome, ClaimReply, ClaimStatus
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 MAX_HOLDS = 65536

@@ -22,6 +22,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_kvp2p.contract.protocol import (
+    MAX_ANSWER_WITHIN_MS,
+    Claim,
+    ClaimReply,
+    ClaimStatus,
+    RankRegistration,
+    Release,
+    Renew,
+    UnitSums,
+)
 from vllm_kvp2p.lifecycle.compatibility import registration_problem
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Judgement, Verdict, Verification, judge, verification_for
@@ -41,16 +51,6 @@ from vllm_kvp2p.lifecycle.pull_actions import (
 )
 from vllm_kvp2p.lifecycle.read_plan import read_descriptors
 from vllm_kvp2p.lifecycle.stages import coverage_problem, layers_read, plane_pairs
-from vllm_kvp2p.protocol import (
-    MAX_ANSWER_WITHIN_MS,
-    Claim,
-    ClaimReply,
-    ClaimStatus,
-    RankRegistration,
-    Release,
-    Renew,
-    UnitSums,
-)
 from vllm_kvp2p.transfer.descriptors import Descriptors
 
 __all__ = [

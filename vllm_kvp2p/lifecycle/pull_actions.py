@@ -14,13 +14,13 @@ import enum
 from dataclasses import dataclass
 from typing import Union
 
-from vllm_kvp2p.kv_groups import KVGroup, single_full_group
+from vllm_kvp2p.contract.protocol import Claim, Release, Renew, layers_of_planes
 from vllm_kvp2p.lifecycle.consumer import Failure
 from vllm_kvp2p.lifecycle.integrity import Verification
-from vllm_kvp2p.protocol import Claim, Release, Renew, layers_of_planes
-from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry
+from vllm_kvp2p.transfer.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.transfer.slicing import BlockShape
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class LocalKV:
     groups: tuple[KVGroup, ...] = ()  # KV-cache groups; empty: one full-attention group
     plane_groups: tuple[int, ...] = ()  # group index of each plane; empty: all in group 0
     tp_size: int = 1
-    model_fingerprint: str = ""  # vllm_kvp2p/identity.py; empty: not compared
+    model_fingerprint: str = ""  # vllm_kvp2p/contract/identity.py; empty: not compared
     plane_layers: tuple[int, ...] = ()  # layer index of each plane; empty: as many planes per layer
     pp_size: int = 1  # D's pipeline stages: this rank holds its stage's layers only
 

@@ -1,5 +1,5 @@
 """P side: the integrity questions waiting for their sums (vllm_kvp2p/lifecycle/integrity.py), and which units the
-sums thread reads next. Pure: no threads, clocks or torch; the adapter (vllm_kvp2p/hold_service.py) gives it the
+sums thread reads next. Pure: no threads, clocks or torch; the adapter (vllm_kvp2p/prefill/hold_service.py) gives it the
 time and how long each slice of sums took.
 
 Fair to every reader, whatever other peers ask:

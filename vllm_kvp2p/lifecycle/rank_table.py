@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from vllm_kvp2p.protocol import PortRanges, RankEndpoint, RankTable, RemotePrefill
+from vllm_kvp2p.contract.protocol import PortRanges, RankEndpoint, RankTable, RemotePrefill
 
 Endpoint = tuple[str, int]
 #: How much of a peer's text a problem quotes (it goes to logs and to vLLM).

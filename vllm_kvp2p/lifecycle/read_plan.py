@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_kvp2p.kv_groups import STATE
+from vllm_kvp2p.contract.protocol import RankRegistration
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.pull_actions import LocalKV, Source
-from vllm_kvp2p.protocol import RankRegistration
-from vllm_kvp2p.tp_mapping import HeadSlice
 from vllm_kvp2p.transfer.descriptors import Descriptors, PlaneGeometry, build_descriptors
+from vllm_kvp2p.transfer.kv_groups import STATE
 from vllm_kvp2p.transfer.slicing import BlockShape, build_sliced_descriptors, token_chunks
+from vllm_kvp2p.transfer.tp_mapping import HeadSlice
 
 
 def read_descriptors(

@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
+from vllm_kvp2p.contract.protocol import RemotePrefill
 from vllm_kvp2p.lifecycle.sibling_offers import parent_of
-from vllm_kvp2p.protocol import RemotePrefill
 
 #: A hold's name in the params, with the prompt it was issued for: requests share a pull only when their prompts are
 #: the same (the followers' KV comes from D's prefix cache, found by their own tokens). Two admitted requests that

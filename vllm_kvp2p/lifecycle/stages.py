@@ -4,7 +4,8 @@ sockets, threads, clocks or torch.
 An engine at ``pp_size`` x ``tp_size`` has ``pp_size * tp_size`` ranks, numbered ``stage * tp_size + tp_rank``
 (the side-channel port offset and the rank table's index). Each stage holds a run of the model's layers, every
 layer's KV heads split over the stage's TP ranks as without stages. So the TP mapping
-(vllm_kvp2p/tp_mapping.py) is made once, between P's and D's TP sizes, and applied to every P stage: D rank ``d``
+(vllm_kvp2p/transfer/tp_mapping.py) is made once, between P's and D's TP sizes, and applied to every P stage: D rank
+``d``
 reads head slices of P TP rank ``q`` from each stage ``s`` (P rank ``s * p_tp + q``), the layers that stage
 holds. Which layers those are D learns from each rank's registration (vLLM's split can be moved by
 ``VLLM_PP_LAYER_PARTITION``, so D does not compute it); planes are matched by layer name.
@@ -24,11 +25,11 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from vllm_kvp2p.tp_mapping import RankPlan
+from vllm_kvp2p.transfer.tp_mapping import RankPlan
 
 if TYPE_CHECKING:
+    from vllm_kvp2p.contract.protocol import RankRegistration
     from vllm_kvp2p.lifecycle.pull_actions import LocalKV, Source
-    from vllm_kvp2p.protocol import RankRegistration
 
 #: How many layer names a problem quotes.
 QUOTED_LAYERS = 3

@@ -2,7 +2,7 @@
 
 Several workers allocate their KV cache without ever calling the connector's ``get_mem_pool_context()``:
 vllm-ascend's ``NPUModelRunner`` (platform/ascend_hook.py) and vLLM 0.23 to 0.28's ``GPUModelRunner``, which the
-CPU runner inherits (vllm_kvp2p/compat.py), allocate every KV tensor in ``_allocate_kv_cache_tensors(self,
+CPU runner inherits (vllm_kvp2p/connector/compat.py), allocate every KV tensor in ``_allocate_kv_cache_tensors(self,
 kv_cache_config)``; vLLM 0.29 and 0.30 moved that into a module function, ``allocate_kv_cache(kv_cache_config,
 ...)``, which the runner module imports by name. Either runs after the connector exists, so wrapping that one
 method or that one name gives the arena the whole KV cache.

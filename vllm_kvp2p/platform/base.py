@@ -54,7 +54,8 @@ class KVPlatform(ABC):
     max_registered_regions: int | None = None
 
     def kv_arena(self, size_bytes: int) -> KVArenaLike | None:
-        """One contiguous region the whole KV cache can be allocated from (see :mod:`vllm_kvp2p.arena`), or None
+        """One contiguous region the whole KV cache can be allocated from (see :mod:`vllm_kvp2p.platform.arena`), or
+        None
         when this platform or build has none (vLLM then allocates as usual and tensors are registered one by
         one, touching ones merged)."""
         return None

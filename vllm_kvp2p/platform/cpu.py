@@ -37,7 +37,7 @@ class CpuPlatform(KVPlatform):
         return None
 
     def kv_arena(self, size_bytes: int) -> KVArenaLike | None:
-        from vllm_kvp2p import arena
+        from vllm_kvp2p.platform import arena
 
         if not arena.available():
             return None

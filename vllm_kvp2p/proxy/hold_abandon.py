@@ -5,7 +5,7 @@ A P/D flow ends in one of two ways once P has answered with ``kv_transfer_params
 and its connector claimed or released P's hold, or not (D's API server refused the body, D could not be reached,
 the client left before D's engine saw it, a part of a batch was cancelled, D's verdict refused the params without
 contacting P). The proxy cannot always tell from outside D, and need not: it sends P an
-:class:`~vllm_kvp2p.protocol.Abandon` for every flow that did not end with D's answer reporting its pull, and P
+:class:`~vllm_kvp2p.contract.protocol.Abandon` for every flow that did not end with D's answer reporting its pull, and P
 frees the hold only if no reader has touched it (lifecycle/producer.py decides). So the abandon is harmless where
 D's engine has the request and frees the hold where it never will.
 
@@ -37,12 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.config import secret_from_environment
-from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.lifecycle.rank_table import Endpoint
-from vllm_kvp2p.log import WarningPace
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.config import secret_from_environment
+from vllm_kvp2p.contract.protocol import (
     ANY_PORT,
     PULL_REPORT_KEY,
     Abandon,
@@ -50,8 +47,11 @@ from vllm_kvp2p.protocol import (
     AbandonOutcome,
     RemotePrefill,
 )
-from vllm_kvp2p.rank_tables import RankTables, Unavailable
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.contract.side_channel import SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.decode.rank_tables import RankTables, Unavailable
+from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.rank_table import Endpoint
+from vllm_kvp2p.log import WarningPace
 
 logger = logging.getLogger("vllm_kvp2p.proxy")
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvp2p.pairing_key import PairingKey
+from vllm_kvp2p.contract.pairing_key import PairingKey
 from vllm_kvp2p.proxy.block_hashes import PromptHasher
 from vllm_kvp2p.proxy.cache_index import DEFAULT_MAX_BLOCKS, InstanceCache
 from vllm_kvp2p.proxy.cost_model import InstanceWork

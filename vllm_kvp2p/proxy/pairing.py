@@ -2,10 +2,10 @@
 instance says of itself on its /metrics (:func:`read_metrics`). Pure: no sockets, clocks or vLLM; the asking is
 vllm_kvp2p/proxy/pairing_probe.py.
 
-Each engine exports ``vllm:kvp2p_pairing_info`` once (vllm_kvp2p/pairing_key.py has its labels and why these):
+Each engine exports ``vllm:kvp2p_pairing_info`` once (vllm_kvp2p/contract/pairing_key.py has its labels and why these):
 the values D's own check compares when it accepts P's params and registration, as far as the engine's
 configuration fixes them. Differences the connector handles by design are not a mismatch: block sizes of which
-one divides the other (docs/performance.md section 14), other TP and PP sizes (vllm_kvp2p/tp_mapping.py,
+one divides the other (docs/performance.md section 14), other TP and PP sizes (vllm_kvp2p/transfer/tp_mapping.py,
 lifecycle/stages.py), other hosts, engines and KV-cache sizes. What only a rank's registration tells (the block
 interior of a platform's attention kernel, the exact KV-cache groups of a model with sliding windows) is still
 D's to refuse, per request.
@@ -17,7 +17,7 @@ and :data:`MAX_LABELS` labels each.
 
 from __future__ import annotations
 
-from vllm_kvp2p.pairing_key import METRIC, PairingKey
+from vllm_kvp2p.contract.pairing_key import METRIC, PairingKey
 
 __all__ = ["METRIC", "PairingKey", "mismatch", "parse_metrics", "read_metrics"]
 
@@ -33,7 +33,7 @@ MAX_LABELS = 32
 #: Values that must be equal on P and D, with what to say when they are not.
 _EQUAL = (
     ("protocol_version", "protocol version", "run the same vllm_kvp2p release on both"),
-    ("model_fingerprint", "model fingerprint", "the same model on both, vllm_kvp2p/identity.py"),
+    ("model_fingerprint", "model fingerprint", "the same model on both, vllm_kvp2p/contract/identity.py"),
     ("kv_cache_dtype", "KV cache dtype", "the same --dtype / --kv-cache-dtype on both"),
     ("use_mla", "MLA", "the same model and VLLM_MLA_DISABLE on both"),
     ("draft", "speculative-decoding draft with KV layers", "the same --speculative-config on both"),

@@ -192,7 +192,7 @@ def _group_alive(pgid: int) -> bool:
 class VllmServer:
     """A ``vllm`` OpenAI API server for ``model_path`` on ``host:port`` (127.0.0.1), run in its own process group.
 
-    The connector's ``host`` defaults to this node's address (vllm_kvp2p/config.py), so a server here gets
+    The connector's ``host`` defaults to this node's address (vllm_kvp2p/contract/config.py), so a server here gets
     ``VLLM_KVP2P_HOST=127.0.0.1`` (its P/D traffic stays on loopback) unless ``env`` names the variable (``None``
     removes it). ``netns`` runs the server inside that network namespace (``ip netns exec``, as root); ``host`` is
     then the namespace's address (``--host`` and :attr:`url`) and nothing host-related is added to the env.
@@ -304,7 +304,7 @@ class VllmServer:
         return [
             *(("ip", "netns", "exec", self.netns) if self.netns else ()),
             self.python,
-            *(("-m", "vllm_kvp2p.serve", str(self.model_path)) if self.launcher == "kvp2p-serve"
+            *(("-m", "vllm_kvp2p.cli.serve", str(self.model_path)) if self.launcher == "kvp2p-serve"
               else ("-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_path))),
             "--served-model-name",
             self.model_name,

@@ -45,9 +45,9 @@ from typing import Any
 
 import httpx
 
+from vllm_kvp2p.decode.pull_lanes import LANES_PER_PEER
 from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL
 from vllm_kvp2p.proxy.hold_abandon import DEFAULT_ABANDON_TIMEOUT_S
-from vllm_kvp2p.pull_lanes import LANES_PER_PEER
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
 from vllm_kvp2p.testing.sse import sse_lines

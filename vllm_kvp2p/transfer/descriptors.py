@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vllm_kvp2p import _ext
+from vllm_kvp2p.transfer import native as _ext
 
 
 class PlaneGeometry(msgspec.Struct, frozen=True, array_like=True):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvp2p.protocol import DigestQuery
+from vllm_kvp2p.contract.protocol import DigestQuery
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
 
 #: Largest unit the int64 sums are exact for.

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_kvp2p import pairing_key
+from vllm_kvp2p.contract import pairing_key
 from vllm_kvp2p.log import get_logger
 
 logger = get_logger(__name__)
@@ -406,7 +406,8 @@ class Kvp2pPromMetrics(KVConnectorPromMetrics):
 
     def _pairing_info(self, vllm_config: VllmConfig, labelnames: list[str]) -> None:
         """``vllm:kvp2p_pairing_info``: what decides whether this engine can exchange KV with another
-        (vllm_kvp2p/pairing_key.py), set to 1 once, from the config vLLM builds its metrics with (after the engine
+        (vllm_kvp2p/contract/pairing_key.py),
+        set to 1 once, from the config vLLM builds its metrics with (after the engine
         settled its block size), so a router reads it with a GET and no request. Not exported when the config
         lacks what it reads: a router then knows nothing, rather than something wrong."""
         try:

@@ -1,14 +1,14 @@
-"""docs/configuration.md's settings table, generated from :class:`~vllm_kvp2p.config.KVP2PConfig`'s fields
+"""docs/configuration.md's settings table, generated from :class:`~vllm_kvp2p.contract.config.KVP2PConfig`'s fields
 (``vllm-kvp2p config-reference``; a test checks that the docs hold the current one)."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from vllm_kvp2p.config import ENV_PREFIX, KVP2PConfig, setting_text
+from vllm_kvp2p.contract.config import ENV_PREFIX, KVP2PConfig, setting_text
 
 #: Where docs/configuration.md holds the generated table.
-TABLE_BEGIN = ("<!-- settings table: generated from vllm_kvp2p/config.py by `vllm-kvp2p config-reference`; "
+TABLE_BEGIN = ("<!-- settings table: generated from vllm_kvp2p/contract/config.py by `vllm-kvp2p config-reference`; "
                "do not edit by hand -->\n")
 TABLE_END = "<!-- end of generated settings table -->\n"
 

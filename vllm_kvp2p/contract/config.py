@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "VLLM_KVP2P_"
-#: A Mooncake read that failed within this many seconds is retried once (vllm_kvp2p/pull_loop.py).
+#: A Mooncake read that failed within this many seconds is retried once (vllm_kvp2p/decode/pull_loop.py).
 READ_RETRY_WITHIN = 1.0
-#: How long a pull waits for its P's read slot before it looks at its leases again (vllm_kvp2p/pull_loop.py).
+#: How long a pull waits for its P's read slot before it looks at its leases again (vllm_kvp2p/decode/pull_loop.py).
 READ_SLOT_WAIT_S = 0.5
-#: Time allowed for a renewal to reach P (its first attempt gets 0.5 s, then it is resent: vllm_kvp2p/side_channel.py).
+#: Time allowed for a renewal to reach P (its first attempt gets 0.5 s, then it is resent:
+# vllm_kvp2p/contract/side_channel.py).
 RENEWAL_REACHES_P_S = 1.0
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
@@ -322,7 +323,8 @@ class KVP2PConfig:
 
     def advertised_host(self, detect: Callable[[], str]) -> str:
         """The address peers are given: ``host`` when set, else ``detect()`` (vLLM's ``get_ip``, passed in by the
-        caller: vllm_kvp2p.compat.node_ip). The scheduler half (it writes ``remote_host``) and every worker (it
+        caller: vllm_kvp2p.connector.compat.node_ip). The scheduler half (it writes ``remote_host``) and every worker
+        (it
         names its Mooncake segment) run in different processes and each call this with the same settings.
 
         Always an IP address: a host name is resolved here, once, at start-up. D accepts only addresses in

@@ -20,7 +20,7 @@ The differences handled here (0.23 -> 0.32):
 * ``ParallelConfig.data_parallel_index`` (:func:`data_parallel_index`).
 
 Not a difference but a vLLM seam kept here: where the engine core has its workers load a LoRA adapter
-(:func:`watch_lora_loads`, for vllm_kvp2p/lora_weights.py).
+(:func:`watch_lora_loads`, for vllm_kvp2p/connector/lora_weights.py).
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ LORA_LOAD_ROUTE = ("vllm.v1.engine.core", "EngineCore", "add_lora")
 
 def watch_lora_loads(around: Any) -> str:
     """Run every engine-level LoRA load of this process inside ``around(lora_request)`` (a context manager:
-    vllm_kvp2p/lora_weights.py looks at the adapter's files before and after the workers read them). Once per
+    vllm_kvp2p/connector/lora_weights.py looks at the adapter's files before and after the workers read them). Once per
     process; returns the route for the log: "wrapped EngineCore.add_lora", or "none (...)" when vLLM has no such
     method or it takes other arguments (then those loads cannot be watched and the caller binds no adapter)."""
     import functools

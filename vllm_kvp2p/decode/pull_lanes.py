@@ -1,6 +1,6 @@
 """D's pull threads ("lanes") and the P instances each serves.
 
-``max_threads`` lanes are started with the :class:`~vllm_kvp2p.pull_loop.PullLoop` (so they get the platform's
+``max_threads`` lanes are started with the :class:`~vllm_kvp2p.decode.pull_loop.PullLoop` (so they get the platform's
 service-thread placement; idle ones block on their queue). Each P instance (side-channel host and base port) is
 assigned up to ``LANES_PER_PEER`` lanes on first use (half the lanes at most), those serving the fewest instances,
 and each plan goes to the least busy of its instance's lanes. So a frozen or slow P delays only the P instances on

@@ -3,7 +3,7 @@
 For each plan it drives a :class:`~vllm_kvp2p.lifecycle.consumer.ConsumerPull` (which decides everything) by
 performing its actions: side-channel requests, Mooncake reads, waits.
 
-Threads ("lanes"): how plans are spread over them, per P instance, is :mod:`vllm_kvp2p.pull_lanes`.
+Threads ("lanes"): how plans are spread over them, per P instance, is :mod:`vllm_kvp2p.decode.pull_lanes`.
 
 Every table here is bounded (the params a client sends name the P instances, so their number is not ours to
 trust): lane assignments, suspects and cached registrations keep the most recent ``MAX_PEERS`` entries;
@@ -22,8 +22,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S
+from vllm_kvp2p.contract.protocol import (
+    ANY_PORT,
+    MAX_ENGINE_RANKS,
+    ClaimReply,
+    GetRegistration,
+    PortRanges,
+    RankRegistration,
+    Registration,
+    Released,
+    RemotePrefill,
+    Reply,
+    Request,
+)
+from vllm_kvp2p.contract.side_channel import (
+    PROBE_TIMEOUT_S,
+    BadReply,
+    PeerError,
+    SideChannelClient,
+    SideChannelError,
+    Unauthenticated,
+)
+from vllm_kvp2p.decode.pull_lanes import Lane, LaneTable
+from vllm_kvp2p.decode.pull_log import PullLog
+from vllm_kvp2p.decode.pull_suspects import Suspects, put_recent
+from vllm_kvp2p.decode.rank_tables import RankTables
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification, pull_mode
 from vllm_kvp2p.lifecycle.pull import (
@@ -42,33 +67,8 @@ from vllm_kvp2p.lifecycle.pull import (
 )
 from vllm_kvp2p.lifecycle.stages import sources_of
 from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.protocol import (
-    ANY_PORT,
-    MAX_ENGINE_RANKS,
-    ClaimReply,
-    GetRegistration,
-    PortRanges,
-    RankRegistration,
-    Registration,
-    Released,
-    RemotePrefill,
-    Reply,
-    Request,
-)
-from vllm_kvp2p.pull_lanes import Lane, LaneTable
-from vllm_kvp2p.pull_log import PullLog
-from vllm_kvp2p.pull_suspects import Suspects, put_recent
-from vllm_kvp2p.rank_tables import RankTables
-from vllm_kvp2p.side_channel import (
-    PROBE_TIMEOUT_S,
-    BadReply,
-    PeerError,
-    SideChannelClient,
-    SideChannelError,
-    Unauthenticated,
-)
-from vllm_kvp2p.tp_mapping import Layout, UnsupportedLayout, rank_plan
 from vllm_kvp2p.transfer.engine import MooncakeEngine, TransferEngineError
+from vllm_kvp2p.transfer.tp_mapping import Layout, UnsupportedLayout, rank_plan
 
 if TYPE_CHECKING:
     from vllm_kvp2p.transfer.digest import KVMemory
@@ -88,7 +88,8 @@ class TimedResult:
 
 
 class PullLoop:
-    """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance (vllm_kvp2p/pull_lanes.py);
+    """Runs pull plans on daemon threads, up to ``LANES_PER_PEER`` lanes per P instance
+    (vllm_kvp2p/decode/pull_lanes.py);
     results are collected with :meth:`take_results`."""
 
     def __init__(
@@ -135,7 +136,7 @@ class PullLoop:
         self.on_result = on_result
         self.pull_timeout = pull_timeout
         self.auth = auth
-        # P instances one of whose ranks did not answer lately (vllm_kvp2p/pull_suspects.py).
+        # P instances one of whose ranks did not answer lately (vllm_kvp2p/decode/pull_suspects.py).
         self.suspects = Suspects(suspect_time)
         if auth is None:
             logger.warning("rank %d: side channel unauthenticated (no VLLM_KVP2P_SECRET): D trusts any peer the "

@@ -14,12 +14,24 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p import compat
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.compat import data_parallel_index, node_ip, transfer_group_ids
-from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.identity import incarnation
-from vllm_kvp2p.kv_groups import (
+from vllm_kvp2p.connector import compat
+from vllm_kvp2p.connector.compat import data_parallel_index, node_ip, transfer_group_ids
+from vllm_kvp2p.connector.lora_weights import lora_digest, see_adapter, watch_engine_loads
+from vllm_kvp2p.connector.metadata import HoldOrder, KVP2PMetadata, KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.connector.metrics import Kvp2pStats
+from vllm_kvp2p.connector.step_wakeup import StepWaiter
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.config import KVP2PConfig
+from vllm_kvp2p.contract.identity import incarnation
+from vllm_kvp2p.contract.protocol import PULL_REPORT_KEY as PULL_REPORT_KEY  # re-exported: tests read D's reports by it
+from vllm_kvp2p.contract.protocol import RemotePrefill, prompt_digest
+from vllm_kvp2p.lifecycle.admission import Admitted, Prompt, UnboundPrompt
+from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
+from vllm_kvp2p.lifecycle.failure import Failure
+from vllm_kvp2p.lifecycle.shared_holds import MAX_ENDED_HOLDS
+from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
+from vllm_kvp2p.log import get_logger
+from vllm_kvp2p.transfer.kv_groups import (
     FULL,
     UnsupportedKVCacheError,
     common_block_size,
@@ -28,18 +40,6 @@ from vllm_kvp2p.kv_groups import (
     load_failure_problem,
     needed_tail,
 )
-from vllm_kvp2p.lifecycle.admission import Admitted, Prompt, UnboundPrompt
-from vllm_kvp2p.lifecycle.consumer import ConsumerSchedule
-from vllm_kvp2p.lifecycle.failure import Failure
-from vllm_kvp2p.lifecycle.shared_holds import MAX_ENDED_HOLDS
-from vllm_kvp2p.lifecycle.sibling_offers import SiblingOffers
-from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.lora_weights import lora_digest, see_adapter, watch_engine_loads
-from vllm_kvp2p.metadata import HoldOrder, KVP2PMetadata, KVP2PWorkerMetadata, PullReport
-from vllm_kvp2p.metrics import Kvp2pStats
-from vllm_kvp2p.protocol import PULL_REPORT_KEY as PULL_REPORT_KEY  # re-exported: tests read D's reports by it
-from vllm_kvp2p.protocol import RemotePrefill, prompt_digest
-from vllm_kvp2p.step_wakeup import StepWaiter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,7 +102,7 @@ class SchedulerSide:
         self._holds: list[HoldOrder] = []
         self._siblings = SiblingOffers()  # P: the children of an n > 1 request offer one hold
         self._reports: dict[str, PullReport] = {}
-        # Idle steps sleep until a worker of this engine has news (vllm_kvp2p/step_wakeup.py).
+        # Idle steps sleep until a worker of this engine has news (vllm_kvp2p/connector/step_wakeup.py).
         self._idle = StepWaiter(engine_id, data_parallel_index(parallel))
         self._news_due = False  # an idle sleep ended on news that has not reached update_connector_output yet
         # Failed pulls by kind, one per request (the workers' reports merged): the scheduler-side stats vLLM
@@ -172,7 +172,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ P: admission
 
     def on_new_request(self, request: Request) -> None:
-        """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/kv_groups.py). Any
+        """P, model with a recurrent state: prefill all but the last prompt token (vllm_kvp2p/transfer/kv_groups.py).
+        Any
         request with a LoRA adapter: its files looked at before a worker can load them for it (lora_weights.py)."""
         params = request.kv_transfer_params
         try:
@@ -388,10 +389,10 @@ def _drop_last_prompt_token(request: Request) -> None:
 
 def request_digest(request: Request, num_tokens: int) -> str:
     """``prompt_digest`` of a request's first ``num_tokens`` tokens with what else decides their KV: the LoRA
-    adapter (by its weights, not its name: vllm_kvp2p/lora_weights.py; raises UnboundPrompt when they cannot be
-    read here), multimodal inputs starting among them (vLLM's identifier and position), prompt embeddings. P (over
-    what it offers) and D (over its own prompt) call it alike; ``cache_salt`` is left out: it isolates caches, it
-    does not change KV."""
+    adapter (by its weights, not its name: vllm_kvp2p/connector/lora_weights.py; raises UnboundPrompt when they
+    cannot be read here), multimodal inputs starting among them (vLLM's identifier and position), prompt
+    embeddings. P (over what it offers) and D (over its own prompt) call it alike; ``cache_salt`` is left out: it
+    isolates caches, it does not change KV."""
     extras: list[str] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:

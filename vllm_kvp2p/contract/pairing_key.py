@@ -1,5 +1,6 @@
 """What an instance tells a router about whether it can exchange KV with another: :class:`PairingKey`, exported
-once per engine as the info metric ``vllm:kvp2p_pairing_info`` (vllm_kvp2p/metrics.py) and read back by the proxy
+once per engine as the info metric ``vllm:kvp2p_pairing_info`` (vllm_kvp2p/connector/metrics.py) and read back by the
+proxy
 (vllm_kvp2p/proxy/pairing.py, which decides). Pure; shared by the engine and the proxy, so the label names exist
 once.
 
@@ -32,7 +33,7 @@ class PairingKey:
     """One engine's values that decide whether it can exchange KV with another (and which side it can be)."""
 
     role: str  # "producer", "consumer" or "both" (kv_role without its prefix)
-    protocol_version: int  # vllm_kvp2p.protocol.PROTOCOL_VERSION of the release it runs
+    protocol_version: int  # vllm_kvp2p.contract.protocol.PROTOCOL_VERSION of the release it runs
     model_fingerprint: str  # identity.model_fingerprint: a digest of the KV-defining model config
     kv_cache_dtype: str  # the KV cache's element type: --kv-cache-dtype, or the model's dtype for "auto"
     use_mla: bool  # MLA's latent cache (vLLM may turn it off for the same model: VLLM_MLA_DISABLE)
@@ -82,8 +83,8 @@ def of_engine(vllm_config: Any) -> PairingKey:
     """The key of the engine ``vllm_config`` configures (as the API server holds it once the engine is up: vLLM
     copies back the block size the engine settled on before it builds its metrics). Reads attributes both vLLM
     0.23 and 0.32 have; raises on a config without them."""
-    from vllm_kvp2p.identity import model_fingerprint
-    from vllm_kvp2p.protocol import PROTOCOL_VERSION
+    from vllm_kvp2p.contract.identity import model_fingerprint
+    from vllm_kvp2p.contract.protocol import PROTOCOL_VERSION
 
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     role = str(vllm_config.kv_transfer_config.kv_role).removeprefix("kv_")
@@ -114,7 +115,7 @@ def _draft(speculative_config: Any) -> str:
     method = getattr(speculative_config, "method", None) if speculative_config is not None else None
     if not method or method in _DRAFTS_WITHOUT_KV:
         return "none"
-    from vllm_kvp2p.identity import model_fingerprint
+    from vllm_kvp2p.contract.identity import model_fingerprint
 
     draft_model = getattr(speculative_config, "draft_model_config", None)
     digest = model_fingerprint(types.SimpleNamespace(model_config=draft_model)) if draft_model is not None else "-"

@@ -22,7 +22,8 @@ The design: the engine-core process looks at the adapter's files before any work
 later look with that first one. :class:`AdapterBook` (one per process, that is per engine core) keeps, per adapter id
 and per adapter name, the digest and the files' signature (size, modification and change times, inode of each file)
 it first saw under it. First looks happen (1) around ``EngineCore.add_lora`` (before it and after it, through
-:func:`vllm_kvp2p.compat.watch_lora_loads`) and (2) when vLLM hands the connector a new request (``on_new_request``),
+:func:`vllm_kvp2p.connector.compat.watch_lora_loads`)
+and (2) when vLLM hands the connector a new request (``on_new_request``),
 before any step can run it. Every later look is compared with the first, and the binding's own look (P's offer, D's
 check of the params: :func:`lora_digest`) re-reads the signatures of every directory the id and the name were used
 with: if any differs, or the id or name now names other weights, or a directory cannot be read any more, that adapter
@@ -51,7 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvp2p import compat
+from vllm_kvp2p.connector import compat
 from vllm_kvp2p.lifecycle.admission import UnboundPrompt
 from vllm_kvp2p.log import get_logger
 

@@ -33,21 +33,8 @@ from dataclasses import dataclass
 import msgspec
 
 from vllm_kvp2p import os_threads
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.lifecycle.hold import HeldUnits
-from vllm_kvp2p.lifecycle.integrity import NoSums, query_problem
-from vllm_kvp2p.lifecycle.producer import (
-    CLOCK_SKEW,
-    EARLY_RELEASE_TTL,
-    MAX_EARLY_RELEASES,
-    MAX_HOLDS,
-    LedgerEvent,
-    ProducerLedger,
-)
-from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice, unit_bytes
-from vllm_kvp2p.log import WarningPace, get_logger
-from vllm_kvp2p.os_threads import run_named
-from vllm_kvp2p.protocol import (
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.protocol import (
     Abandon,
     Abandoned,
     AbandonOutcome,
@@ -67,7 +54,20 @@ from vllm_kvp2p.protocol import (
     Request,
     UnitSums,
 )
-from vllm_kvp2p.side_channel import MAX_DEFERRED, SideChannelServer, Unsealed
+from vllm_kvp2p.contract.side_channel import MAX_DEFERRED, SideChannelServer, Unsealed
+from vllm_kvp2p.lifecycle.hold import HeldUnits
+from vllm_kvp2p.lifecycle.integrity import NoSums, query_problem
+from vllm_kvp2p.lifecycle.producer import (
+    CLOCK_SKEW,
+    EARLY_RELEASE_TTL,
+    MAX_EARLY_RELEASES,
+    MAX_HOLDS,
+    LedgerEvent,
+    ProducerLedger,
+)
+from vllm_kvp2p.lifecycle.question_queue import Question, QuestionQueue, Slice, unit_bytes
+from vllm_kvp2p.log import WarningPace, get_logger
+from vllm_kvp2p.os_threads import run_named
 
 logger = get_logger(__name__)
 
@@ -127,7 +127,7 @@ class HoldService:
         ``clock_skew``: seconds P's and D's wall clocks may disagree (a claim's deadline is D's wall clock).
         ``questions``: the integrity questions' queue (default: :class:`QuestionQueue` with its bounds)."""
         self.registration = registration
-        # Every rank of this engine (set once the ranks gathered it, vllm_kvp2p/worker.py); None: not yet.
+        # Every rank of this engine (set once the ranks gathered it, vllm_kvp2p/connector/worker.py); None: not yet.
         self.rank_table: RankTable | None = None
         self._on_release = on_release
         self._digester = digester

@@ -16,11 +16,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from vllm_kvp2p.contract.protocol import GetRegistration
+from vllm_kvp2p.contract.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.decode.pull_lanes import MAX_PEERS, Instance
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.pull_actions import Outcome, PullResult
-from vllm_kvp2p.protocol import GetRegistration
-from vllm_kvp2p.pull_lanes import MAX_PEERS, Instance
-from vllm_kvp2p.side_channel import PROBE_TIMEOUT_S, SideChannelClient, SideChannelError, Unauthenticated
 
 
 @dataclass(frozen=True)

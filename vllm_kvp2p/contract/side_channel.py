@@ -1,12 +1,13 @@
 """ZMQ transport for the side channel: a ROUTER server on each P worker, REQ clients on D workers.
 
-Only bytes move here; :mod:`vllm_kvp2p.protocol` defines what they mean and the server's handler decides what to
+Only bytes move here; :mod:`vllm_kvp2p.contract.protocol` defines what they mean and the server's handler decides what
+to
 answer. Every call is bounded by a timeout, and a socket that timed out is thrown away (a REQ socket that missed
-a reply cannot be reused). With a shared secret (:class:`~vllm_kvp2p.auth.Authenticator`) every frame both ways
+a reply cannot be reused). With a shared secret (:class:`~vllm_kvp2p.contract.auth.Authenticator`) every frame both ways
 is sealed; a request that fails to open reaches no handler (no registration, claim, release or table entry), is
 answered with a plain error (:data:`UNAUTHENTICATED_REQUEST`) and counted in :attr:`SideChannelServer.dropped`;
-the one exception is an unsealed :class:`~vllm_kvp2p.protocol.Abandon`, which the params it names authorise (their
-hold id and mac: the proxy has the params, not the secret) and which is answered unsealed.
+the one exception is an unsealed :class:`~vllm_kvp2p.contract.protocol.Abandon`, which the params it names
+authorise (their hold id and mac: the proxy has the params, not the secret) and which is answered unsealed.
 A client that gets that error, or a reply that fails to open, raises :class:`Unauthenticated`: the peer is up,
 only the secrets (or the clocks) do not agree.
 """
@@ -24,11 +25,12 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from vllm_kvp2p import os_threads, protocol
-from vllm_kvp2p.auth import Authenticator, AuthError, ReplayGuard
+from vllm_kvp2p import os_threads
+from vllm_kvp2p.contract import protocol
+from vllm_kvp2p.contract.auth import Authenticator, AuthError, ReplayGuard
+from vllm_kvp2p.contract.protocol import ErrorReply, Reply, Request
 from vllm_kvp2p.log import get_logger
 from vllm_kvp2p.os_threads import run_named
-from vllm_kvp2p.protocol import ErrorReply, Reply, Request
 
 logger = get_logger(__name__)
 
@@ -43,7 +45,7 @@ MAX_REQUEST_BYTES = 64 << 10
 #: pull thread of the process that holds the model; the costliest valid reply now decodes in ~5 ms to ~2 MiB.
 MAX_REPLY_BYTES = 512 << 10
 #: Deferred answers (a handler returned a Future) waiting at once; a request deferred beyond them gets an error. A
-#: request whose handler returns a Future already waiting (the same request resent: vllm_kvp2p/hold_service.py
+#: request whose handler returns a Future already waiting (the same request resent: vllm_kvp2p/prefill/hold_service.py
 #: answers copies of one release with one Future) takes no second slot: it joins that answer's copies.
 MAX_DEFERRED = 1024
 #: Copies of one request waiting for one deferred answer: D's client sends a request at most 3 times, each on a
@@ -55,7 +57,8 @@ MAX_COPIES = 4
 
 @dataclass(frozen=True)
 class Unsealed:
-    """What a server with a shared secret hands its handler for an unsealed :class:`~vllm_kvp2p.protocol.Abandon`
+    """What a server with a shared secret hands its handler for an unsealed
+    :class:`~vllm_kvp2p.contract.protocol.Abandon`
     (the one request it takes unsealed): the handler knows its sender proved nothing but the params it names."""
 
     message: protocol.Abandon
@@ -85,7 +88,8 @@ class ReplyDropped(zmq.ZMQError):
 
 
 class PeerError(SideChannelError):
-    """The peer answered with an error (:class:`~vllm_kvp2p.protocol.ErrorReply`): it is up, but did not handle this
+    """The peer answered with an error (:class:`~vllm_kvp2p.contract.protocol.ErrorReply`): it is up, but did not
+    handle this
     request (a P of an older release also answers a release this way while its table of deferred answers is full:
     "try again"). Not a peer that did not answer."""
 
@@ -276,7 +280,8 @@ class SideChannelServer:
         return self._sealed(reply, nonce)
 
     def _plain_answer(self, abandon: protocol.Abandon) -> bytes:
-        """An unsealed :class:`~vllm_kvp2p.protocol.Abandon` (its sender has the params, not the secret): handled
+        """An unsealed :class:`~vllm_kvp2p.contract.protocol.Abandon` (its sender has the params, not the secret):
+        handled
         at once, answered unsealed."""
         try:
             reply = self._handler(Unsealed(abandon))
@@ -446,7 +451,8 @@ def _error(text: str) -> ErrorReply:
 
 
 def _plain_abandon(data: bytes) -> protocol.Abandon | None:
-    """The frame as an unsealed :class:`~vllm_kvp2p.protocol.Abandon`, else None (nothing else is taken unsealed)."""
+    """The frame as an unsealed :class:`~vllm_kvp2p.contract.protocol.Abandon`, else None (nothing else is taken
+    unsealed)."""
     try:
         return protocol.decode_abandon(data)
     except (msgspec.DecodeError, msgspec.ValidationError):

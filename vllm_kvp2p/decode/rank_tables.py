@@ -16,11 +16,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from vllm_kvp2p.contract.protocol import GetRankTable, PortRanges, RankTable, RemotePrefill
+from vllm_kvp2p.contract.side_channel import SideChannelClient, SideChannelError, Unauthenticated
+from vllm_kvp2p.decode.pull_lanes import MAX_PEERS
 from vllm_kvp2p.lifecycle.consumer import Failure, PullPlan
 from vllm_kvp2p.lifecycle.rank_table import Endpoint, endpoints_of, entry_only, table_problem
-from vllm_kvp2p.protocol import GetRankTable, PortRanges, RankTable, RemotePrefill
-from vllm_kvp2p.pull_lanes import MAX_PEERS
-from vllm_kvp2p.side_channel import SideChannelClient, SideChannelError, Unauthenticated
 
 #: Ranks of every cached table together. 1024 tables of 1024 ranks with hosts of 253 characters held ~0.4 GiB
 #: (0.41 MiB each, benchmarks/bench_peer_messages.py); this is 64 such tables (~26 MiB), and 1024 of 64 ranks.

@@ -1,13 +1,14 @@
 """The class vLLM instantiates: ``MooncakeP2PConnector``. It only forwards, by role, to the scheduler half
-(:mod:`vllm_kvp2p.scheduler`) or the worker half (:mod:`vllm_kvp2p.worker`). It implements the hooks of every
+(:mod:`vllm_kvp2p.connector.scheduler`) or the worker half (:mod:`vllm_kvp2p.connector.worker`). It implements the
+hooks of every
 supported vLLM (both ways of reporting finished transfers, both routes to the arena); which ones vLLM calls, and
-what differs between versions, is :mod:`vllm_kvp2p.compat`'s business."""
+what differs between versions, is :mod:`vllm_kvp2p.connector.compat`'s business."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p import compat
+from vllm_kvp2p.connector import compat
 
 compat.check_vllm_supported()  # before importing vLLM's contract: an old vLLM gets the message, not an ImportError
 
@@ -19,13 +20,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
-from vllm_kvp2p import metrics  # noqa: E402
-from vllm_kvp2p.config import KVP2PConfig  # noqa: E402
+from vllm_kvp2p.connector import metrics  # noqa: E402
+from vllm_kvp2p.connector.metadata import KVP2PMetadata  # noqa: E402
+from vllm_kvp2p.connector.scheduler import SchedulerSide  # noqa: E402
+from vllm_kvp2p.connector.worker import WorkerSide  # noqa: E402
+from vllm_kvp2p.contract.config import KVP2PConfig  # noqa: E402
 from vllm_kvp2p.log import get_logger  # noqa: E402
-from vllm_kvp2p.metadata import KVP2PMetadata  # noqa: E402
 from vllm_kvp2p.platform import get_platform, worker_polling  # noqa: E402
-from vllm_kvp2p.scheduler import SchedulerSide  # noqa: E402
-from vllm_kvp2p.worker import WorkerSide  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,7 +45,7 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
     """Mooncake peer-to-peer KV connector: D pulls a prompt's KV straight out of P's memory.
 
     Supports vLLM's hybrid allocator (``SupportsHMA``): block ids come and go per KV-cache group
-    (vllm_kvp2p/kv_groups.py)."""
+    (vllm_kvp2p/transfer/kv_groups.py)."""
 
     if compat.P2P_CACHE_HIT_SOURCE is not None:
         _cache_hit_source = compat.P2P_CACHE_HIT_SOURCE
@@ -163,7 +164,7 @@ class MooncakeP2PConnector(KVConnectorBase_V1, SupportsHMA):
         platform/ascend_hook.py), sized by the caller."""
         return self.worker_side.mem_pool_context(size_bytes) if self.worker_side is not None else None
 
-    # ------------------------------------------------------------------ metrics (vllm_kvp2p/metrics.py)
+    # ------------------------------------------------------------------ metrics (vllm_kvp2p/connector/metrics.py)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker_side is not None:

@@ -15,25 +15,25 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvp2p.auth import Authenticator
-from vllm_kvp2p.compat import data_parallel_index, gather_over_engine, node_ip, transfer_group_ids
-from vllm_kvp2p.config import KVP2PConfig
-from vllm_kvp2p.hold_service import HoldService
-from vllm_kvp2p.identity import incarnation, model_fingerprint
-from vllm_kvp2p.kv_groups import STATE, common_block_size, groups_from_vllm, layer_groups_from_vllm
+from vllm_kvp2p.connector.compat import data_parallel_index, gather_over_engine, node_ip, transfer_group_ids
+from vllm_kvp2p.connector.metadata import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
+from vllm_kvp2p.connector.metrics import Kvp2pStats
+from vllm_kvp2p.connector.step_wakeup import StepNotifier
+from vllm_kvp2p.contract.auth import Authenticator
+from vllm_kvp2p.contract.config import KVP2PConfig
+from vllm_kvp2p.contract.identity import incarnation, model_fingerprint
+from vllm_kvp2p.contract.protocol import PROTOCOL_VERSION, RankRegistration, RankTable
+from vllm_kvp2p.decode.pull_loop import PullLoop
 from vllm_kvp2p.lifecycle.consumer import PullPlan
 from vllm_kvp2p.lifecycle.integrity import IntegrityMode, Verification
 from vllm_kvp2p.lifecycle.pull import LocalKV, PullResult
 from vllm_kvp2p.lifecycle.rank_table import table_of
 from vllm_kvp2p.log import get_logger
-from vllm_kvp2p.metadata import KVP2PMetadata, KVP2PWorkerMetadata, PullReport
-from vllm_kvp2p.metrics import Kvp2pStats
 from vllm_kvp2p.platform import KVPlatform
 from vllm_kvp2p.platform.base import KVArenaLike
-from vllm_kvp2p.protocol import PROTOCOL_VERSION, RankRegistration, RankTable
-from vllm_kvp2p.pull_loop import PullLoop
-from vllm_kvp2p.step_wakeup import StepNotifier
+from vllm_kvp2p.prefill.hold_service import HoldService
 from vllm_kvp2p.transfer.engine import MooncakeEngine
+from vllm_kvp2p.transfer.kv_groups import STATE, common_block_size, groups_from_vllm, layer_groups_from_vllm
 from vllm_kvp2p.transfer.layout import AttentionInterior, TensorView, coalesce_regions, kv_geometry, planes_of
 from vllm_kvp2p.transfer.slicing import BlockShape
 
@@ -69,7 +69,7 @@ class WorkerSide:
         load_errors_as_blocks: bool = False,
     ) -> None:
         """``load_errors_as_blocks``: vLLM takes failed loads as block ids (0.23), so the local blocks of every
-        failed pull are kept for :meth:`take_load_error_blocks` (see vllm_kvp2p/compat.py)."""
+        failed pull are kept for :meth:`take_load_error_blocks` (see vllm_kvp2p/connector/compat.py)."""
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         kv_config = vllm_config.kv_transfer_config
@@ -101,11 +101,11 @@ class WorkerSide:
         self._reports: dict[str, PullReport] = {}
         self._load_errors_as_blocks = load_errors_as_blocks
         self._load_error_blocks: set[int] = set()
-        # This worker's share of the connector's metrics (vllm_kvp2p/metrics.py): pulls here, holds on P. vLLM
+        # This worker's share of the connector's metrics (vllm_kvp2p/connector/metrics.py): pulls here, holds on P. vLLM
         # takes them from the model runner's thread (get_kv_connector_stats), as it calls get_transfer_results.
         self._stats = Kvp2pStats()
         self._stats_lock = threading.Lock()
-        # Ends the scheduler's idle sleep when a pull finishes or P is released (vllm_kvp2p/step_wakeup.py).
+        # Ends the scheduler's idle sleep when a pull finishes or P is released (vllm_kvp2p/connector/step_wakeup.py).
         self._step_news = StepNotifier(engine_id, self.dp_rank)
 
     # ------------------------------------------------------------------ start-up
@@ -116,7 +116,7 @@ class WorkerSide:
         ``size_bytes`` overrides the size derived from vLLM's own allocation (the vllm-ascend hook passes what
         vllm-ascend's allocator will ask for). One arena per worker: a second call (a platform that both calls
         the hook and is wrapped by us) gets no new arena."""
-        from vllm_kvp2p.arena import arena_size_for
+        from vllm_kvp2p.platform.arena import arena_size_for
 
         if not self.config.kv_arena:
             logger.info("KV arena disabled (kv_arena=false): KV tensors are registered one by one")

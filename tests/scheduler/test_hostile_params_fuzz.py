@@ -55,7 +55,7 @@ from tests.scheduler.harness import (
     make_vllm_config,
     tokens,
 )
-from tests.scheduler.test_scheduler_lifecycle import remote_params
+from tests.scheduler.p_and_d import remote_params
 from vllm_kvp2p.connector.scheduler import SchedulerSide
 from vllm_kvp2p.contract.auth import Authenticator
 from vllm_kvp2p.contract.protocol import MAX_BLOCK_ID, MAX_BLOCK_SIZE, MAX_TOKENS, RemotePrefill, prompt_digest
@@ -448,7 +448,7 @@ def any_json_params(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def genuine(prompt: list[int], num_tokens: int, request_id: str) -> RemotePrefill:
-    """What P issues for the first ``num_tokens`` of ``prompt`` (like test_scheduler_lifecycle.remote_params)."""
+    """What P issues for the first ``num_tokens`` of ``prompt`` (like p_and_d.remote_params)."""
     made = RemotePrefill.from_params(remote_params(num_tokens, prompt=prompt, request_id=request_id,
                                                    hold_id=f"hold-{request_id}"))
     assert made is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.scheduler.harness import make_request, make_scheduler, make_vllm_config, step, tokens
-from tests.scheduler.test_scheduler_lifecycle import prefill_on_p
+from tests.scheduler.p_and_d import prefill_on_p
 from vllm_kvp2p.connector.step_wakeup import StepWaiter
 
 

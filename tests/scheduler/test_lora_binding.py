@@ -27,7 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
 from tests.scheduler.harness import connector_side, make_request, step, tokens
-from tests.scheduler.test_scheduler_lifecycle import d_scheduler, p_scheduler
+from tests.scheduler.p_and_d import d_scheduler, p_scheduler
 from vllm_kvp2p.connector import compat, lora_weights
 from vllm_kvp2p.connector import scheduler as scheduler_module
 from vllm_kvp2p.connector.lora_weights import AdapterBook

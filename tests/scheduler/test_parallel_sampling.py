@@ -31,7 +31,7 @@ from tests.scheduler.harness import (
     step,
     tokens,
 )
-from tests.scheduler.test_scheduler_lifecycle import (
+from tests.scheduler.p_and_d import (
     NUM_BLOCKS,
     collect_plans,
     d_scheduler,

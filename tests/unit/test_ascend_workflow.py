@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 from tests.unit.ci_scripts import (
@@ -44,6 +45,8 @@ CANN_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 VLLM_TAG = "v0.23.0"
 # Scripts that install the CPU stack (setup.sh) or run it: the workflow must not call them.
 CPU_SCRIPTS = ("scripts/setup.sh", "scripts/test.sh", "scripts/demo.sh", ".ci/run")
+# What building this package needs installed when it is built without isolation, as pyproject.toml pins it.
+BUILD_REQUIRES = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,6 +203,40 @@ def check_install(wf: dict[str, Any]) -> list[str]:
     return problems
 
 
+def check_build_tools(wf: dict[str, Any]) -> list[str]:
+    """Before this package's ``--no-build-isolation`` build, a ``pip install`` of every pyproject.toml [build-system]
+    requirement, pinned as there (without isolation the build uses what is installed: a setuptools below the pin
+    misnames the sdist, tests/unit/test_sdist.py)."""
+    installed: set[str] = set()
+    for _, _, step in _steps(wf):
+        for words in shell_commands(step.get("run") or ""):
+            _, cmd = strip_prefix(words)
+            if cmd[:1] == ["python"] and cmd[1:3] == ["-m", "pip"]:
+                cmd = ["pip", *cmd[3:]]
+            if cmd[:2] != ["pip", "install"]:
+                continue
+            if "--no-build-isolation" in cmd and any(re.fullmatch(r"\.\[.*\]|\.", w) for w in cmd):
+                missing = [r for r in BUILD_REQUIRES if r not in installed]
+                return [f"this package is built without isolation before `pip install {r}` (pyproject.toml's "
+                        "[build-system] pin)" for r in missing]
+            installed |= set(cmd[2:])
+    return ["no `pip install` of this package with --no-build-isolation"]
+
+
+def check_checkout(wf: dict[str, Any]) -> list[str]:
+    """This repository is checked out with its whole history (``fetch-depth: 0``): the release-record tests
+    (tests/unit/test_release_records.py) judge a record's commit against HEAD's history."""
+    own = [step for _, _, step in _steps(wf) if str(step.get("uses") or "").startswith("actions/checkout@")
+           and not (step.get("with") or {}).get("repository")]
+    if len(own) != 1:
+        return [f"this repository is checked out {len(own)} times, not once"]
+    depth = (own[0].get("with") or {}).get("fetch-depth")
+    if str(depth) != "0":
+        return [f"this repository is checked out with fetch-depth {depth!r} (default 1: a shallow clone), not 0: "
+                "tests/unit/test_release_records.py needs the history"]
+    return []
+
+
 def check_pd_step(wf: dict[str, Any]) -> list[str]:
     """The two-instance check: P and D pinned to NPUs, the proxy, a kvp2p_pull report checked, bounded, cleaned up."""
     for _, _, step in _steps(wf):
@@ -218,8 +255,8 @@ def check_pd_step(wf: dict[str, Any]) -> list[str]:
 def workflow_problems(text: str, run_suite: Path = RUN_SUITE) -> list[str]:
     wf = load_workflow(text)
     labels = (yaml.safe_load(ACTIONLINT_CONFIG.read_text()).get("self-hosted-runner") or {}).get("labels") or []
-    return (check_triggers(wf) + check_jobs(wf, labels) + check_suite_step(wf, run_suite) + check_install(wf)
-            + check_pd_step(wf))
+    return (check_triggers(wf) + check_jobs(wf, labels) + check_checkout(wf) + check_suite_step(wf, run_suite)
+            + check_install(wf) + check_build_tools(wf) + check_pd_step(wf))
 
 
 def test_workflow_runs_the_ci_selection_on_the_ascend_stack() -> None:
@@ -265,6 +302,12 @@ SUITE_LINE = 'bash scripts/run_suite.sh "$(command -v python)"'
         pytest.param("concurrency:\n  group:", "x-concurrency:\n  group:", "concurrency", id="no-concurrency"),
         pytest.param("  workflow_dispatch:\n", "", "workflow_dispatch", id="no-dispatch"),
         pytest.param("ASCEND_RT_VISIBLE_DEVICES=$2 ", "", "ASCEND_RT_VISIBLE_DEVICES", id="pd-not-pinned"),
+        pytest.param("'setuptools>=69.3.1,!=69.4.0'", "'setuptools>=64'", "setuptools>=69.3.1,!=69.4.0",
+                     id="setuptools-below-pyproject-s-pin"),
+        pytest.param(" wheel 'pybind11", " 'pybind11", "pip install wheel", id="no-wheel"),
+        pytest.param("        uses: actions/checkout@v7\n        with:\n          fetch-depth: 0\n",
+                     "        uses: actions/checkout@v7\n", "shallow clone", id="shallow-checkout"),
+        pytest.param("          fetch-depth: 0\n", "          fetch-depth: 1\n", "not 0", id="depth-1"),
     ],
 )
 def test_workflow_checks_reject_broken_copies(old: str, new: str, message: str) -> None:

@@ -72,7 +72,7 @@ TABLES_IDLE_WITHIN_S = max(EARLY_RELEASE_TTL + DEFAULT_ABANDON_TIMEOUT_S, SUSPEC
 # Every table a worker reports (WorkerSide.table_sizes: HoldService's on P, PullLoop's on D), by role, and what
 # idle means for each: empty; at most so many entries per peer (D has one side-channel socket per pull thread that
 # talked to a P rank: LANES_PER_PEER of them); or kept on purpose after a hold ends and bounded by the ledger
-# itself (tombstones, deadlines, kept_answers: tests/unit/test_producer_ledger.py, test_release_answers.py), only
+# itself (tombstones, deadlines, kept_answers: tests/unit/test_producer_ledger_heap.py, test_release_answers.py), only
 # required to be reported. A table the soak does not know is a failure too: say here what idle means for it.
 EMPTY_WHEN_IDLE = ("holds", "early_releases", "freed", "questions_waiting", "readers_per_hold", "queued_plans",
                    "suspects", "results")

@@ -121,7 +121,7 @@ def test_a_lease_the_check_refuses_does_lapse_under_the_longest_read(transfer_ti
     """The check's pair: on a simulated clock against P's real ledger, the worst case (the longest read starts just
     before a renewal is due; the renewal then takes RENEWAL_REACHES_P_S to reach P). A lease just short of the
     check's bound lapses (P frees the blocks mid-pull); one just above it holds through the pull."""
-    from tests.unit.test_consumer_lifecycle import held_ledgers, run_against_p, tp2_pull
+    from tests.unit.consumer_pulls import held_ledgers, run_against_p, tp2_pull
     from vllm_kvp2p.contract.config import READ_RETRY_WITHIN, READ_SLOT_WAIT_S, RENEWAL_REACHES_P_S
     from vllm_kvp2p.lifecycle.pull import Outcome
 

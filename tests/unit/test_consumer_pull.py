@@ -144,6 +144,9 @@ def test_stale_results_are_ignored() -> None:
     assert isinstance(job.next_action(0), FetchRegistration)
 
 
+# ----------------------------------------------------------------------------- D's deadline in its claims
+
+
 def test_every_claim_carries_the_pulls_deadline_on_ds_wall_clock() -> None:
     job = ConsumerPull(awaiting_plan(), [SRC], "d:0", LOCAL, claim_wait=1.0, max_batch_entries=1024, now=100.0,
                        timeout=20.0, wall_now_ms=1_700_000_000_000)

@@ -2,7 +2,8 @@
 // vllm_kvp2p/transfer/descriptors.py::build_descriptors_py (the reference).
 //
 // Both must give identical output for every input (same entries, same order, ValueError under the same
-// conditions). tests/unit/test_descriptors.py checks that with property tests.
+// conditions). tests/unit/test_descriptors_native.py checks that with property tests, and
+// tests/unit/test_descriptors_properties.py the properties both must have.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -7,9 +7,10 @@
 #   * tests/e2e/test_vllm_versions.py and two tests of tests/e2e/test_pd_end_to_end.py: real `vllm serve` P and D
 #     and the proxy, P/D answers compared with the single instance's (four prompts), a corrupted transfer that
 #     must change the answer, the KV-cache route that release has, and the start-up line.
-# Results go to docs/vllm_releases.json (one entry per release: date, torch, counts, seconds, and the commit it ran
-# at), from which `python scripts/vllm_releases_table.py` prints the table of docs/compatibility.md. Not part of CI
-# (an hour and ~35 GB the first time); CI keeps 0.23 and the newest.
+# Results go to docs/vllm_releases.json (one entry per release: date, torch, counts, seconds, the commit it ran at,
+# and "ran": the git object id of each path a release check runs, `scripts/vllm_releases_table.py --ran COMMIT`),
+# from which `python scripts/vllm_releases_table.py` prints the table of docs/compatibility.md: a record is current
+# while HEAD has those same objects. Not part of CI (an hour and ~35 GB the first time); CI keeps 0.23 and the newest.
 #
 # What runs is the tree of HEAD's commit (git archive into the copy), not the working tree, so the record's
 # "commit" is exactly what was tested; KVP2P_RELEASES_WORKTREE=1 tests the working tree instead (uncommitted
@@ -34,6 +35,7 @@ for version in "${RELEASES[@]}"; do
   mkdir -p build
   echo "[releases] ===== vLLM $version ====="
   commit=$(git rev-parse HEAD)
+  ran=$(python3 scripts/vllm_releases_table.py --ran "$commit") || exit 2
   if [ "${KVP2P_RELEASES_WORKTREE:-}" = 1 ]; then
     export KVP2P_SRC_COMMIT=""
     # shellcheck disable=SC2046
@@ -50,9 +52,9 @@ for version in "${RELEASES[@]}"; do
     echo "environment could not be made (build/vllm-$version.log.setup)" | tee "$log"
   fi
   [ "$rc" -eq 0 ] || status=1
-  python3 - "$RESULTS" "$version" "$rc" "$(( $(date +%s) - start ))" "$log" "$py" "$commit" "$dirty" <<'PYEOF'
+  python3 - "$RESULTS" "$version" "$rc" "$(( $(date +%s) - start ))" "$log" "$py" "$commit" "$dirty" "$ran" <<'PYEOF'
 import datetime, json, re, subprocess, sys
-path, version, rc, seconds, log, py, commit, dirty = sys.argv[1:]
+path, version, rc, seconds, log, py, commit, dirty, ran = sys.argv[1:]
 text = open(log, errors="replace").read().splitlines()
 closing = [line for line in text if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)]
 counts = {w if not w.startswith("error") else "failed": 0 for w in ("passed", "failed", "skipped")}
@@ -69,7 +71,7 @@ except (OSError, ValueError):
     results = {}
 results[version] = {"date": datetime.date.today().isoformat(), "torch": torch, "exit": int(rc),
                     "seconds": int(seconds), **counts, "failures": failures[:20], "commit": commit,
-                    "dirty": [p for p in dirty.split(",") if p]}
+                    "dirty": [p for p in dirty.split(",") if p], "ran": json.loads(ran)}
 with open(path, "w") as f:
     json.dump(dict(sorted(results.items(), key=lambda kv: [int(x) for x in kv[0].split(".")])), f, indent=1)
     f.write("\n")

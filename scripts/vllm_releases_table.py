@@ -7,9 +7,12 @@ records for releases without a CPU build).
     python scripts/vllm_releases_table.py --write    # put it between the markers in docs/compatibility.md
     python scripts/vllm_releases_table.py --check    # exit 1 when the doc's table is not the records' (a test)
     python scripts/vllm_releases_table.py --paths    # what a release check runs (RAN_PATHS)
+    python scripts/vllm_releases_table.py --ran COMMIT   # RAN_PATHS' git object ids in COMMIT (a record's "ran")
 
 A record's row says "tested at <commit>" only while it is current (docs/compatibility.md, "When a record says
-tested"), so the table depends on git: without the history (a tarball, a shallow clone) --write and --check exit 2.
+tested"): what the check ran, recorded as the git object id of each RAN_PATHS entry at the record's commit ("ran"),
+is still what HEAD has. Deciding that needs HEAD's tree only, not the history, so it works in a shallow clone;
+outside a git checkout (a tarball) --write and --check exit 2.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ BEGIN, END = "<!-- vllm-releases-table: begin -->", "<!-- vllm-releases-table: e
 CI_RELEASES = {"0.23.0": "CI, every run: the contract suite less `NEWEST_VLLM_ONLY`",
                "0.32.0": "CI, every run: the whole suite"}
 # What a release check runs (scripts/check_vllm_releases.sh's TESTS and what they import, the package and its
-# build): a record is current only if its commit contains the last change to these (docs/compatibility.md).
+# build): a record is current only while each of these is at HEAD what it was at the record's commit
+# (docs/compatibility.md). A path added here makes every record without it not current.
 RAN_PATHS = ("vllm_kvp2p", "csrc", "setup.py", "pyproject.toml", "CMakeLists.txt", "scripts/run_suite.sh",
              "tests/__init__.py", "tests/conftest.py", "tests/support", "tests/scheduler", "tests/e2e/conftest.py",
              "tests/e2e/helpers.py", "tests/e2e/test_vllm_versions.py", "tests/e2e/test_pd_end_to_end.py")
@@ -36,39 +40,37 @@ def _key(version: str) -> list[int]:
     return [int(part) for part in version.split(".")]
 
 
-class NoHistory(Exception):
-    """This checkout has no git history to judge a record by."""
+class NoCheckout(Exception):
+    """ROOT is not a git checkout: HEAD's tree, against which a record is judged, is unknown."""
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
 
 
-def history() -> None:
-    """Raise :class:`NoHistory` unless ROOT is the top of a git checkout with its whole history."""
+def ran_at(commit: str) -> dict[str, str | None]:
+    """What a release check runs as it is in ``commit``: the git object id (a tree or a blob) of each RAN_PATHS entry,
+    None where the path is not in that commit. Reads that commit's tree only, so HEAD's works in a shallow clone."""
     top = _git("rev-parse", "--show-toplevel")
     if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT:
-        raise NoHistory(f"{ROOT} is not a git checkout")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        raise NoHistory(f"{ROOT} is a shallow clone: a record's commit may be missing from it")
+        raise NoCheckout(f"{ROOT} is not a git checkout")
+    listing = _git("ls-tree", "--full-tree", commit, "--", *RAN_PATHS)
+    if listing.returncode != 0:
+        raise NoCheckout(f"git ls-tree {commit} failed: {listing.stderr.strip()}")
+    ids = {}
+    for line in listing.stdout.splitlines():
+        meta, path = line.split("\t", 1)
+        ids[path] = meta.split()[2]
+    return {path: ids.get(path) for path in RAN_PATHS}
 
 
-def last_change() -> str:
-    """The last commit (from HEAD) that changed what a release check runs."""
-    history()
-    return _git("log", "-1", "--format=%H", "HEAD", "--", *RAN_PATHS).stdout.strip()
-
-
-def is_current(record: dict) -> bool:
-    """The rule: a passing record is current when its commit is HEAD or an ancestor of it, contains the last change to
-    RAN_PATHS, and the run had no uncommitted change to them ("dirty"). Raises NoHistory without git history."""
-    commit = record.get("commit")
-    if not commit or record.get("dirty") or record["exit"] != 0 or record["failed"] != 0:
+def is_current(record: dict, head: dict[str, str | None] | None = None) -> bool:
+    """The rule: a passing record (exit 0, nothing failed) made at a commit with no uncommitted change to RAN_PATHS
+    ("dirty" empty) is current while what it ran ("ran": every RAN_PATHS entry's object id at its commit) is what
+    HEAD has (``head``, default :func:`ran_at` HEAD). Raises NoCheckout outside a git checkout."""
+    if not record.get("commit") or record.get("dirty") or record["exit"] != 0 or record["failed"] != 0:
         return False
-    last = last_change()
-    ancestor = ("merge-base", "--is-ancestor")
-    return (_git(*ancestor, commit, "HEAD").returncode == 0
-            and (not last or _git(*ancestor, last, commit).returncode == 0))
+    return record.get("ran") == (ran_at("HEAD") if head is None else head)
 
 
 def table() -> str:
@@ -76,6 +78,7 @@ def table() -> str:
     static_path = DOCS / "vllm_hooks_static.json"
     static = {r["release"]: r for r in json.loads(static_path.read_text())["releases"]} if static_path.exists() else {}
     rows = ["| vLLM | how it is checked | date | torch | result |", "|---|---|---|---|---|"]
+    head = ran_at("HEAD")
     for version in sorted({*CI_RELEASES, *runs, *static}, key=_key):
         if version in CI_RELEASES:
             rows.append(f"| {version} | {CI_RELEASES[version]} (`bash scripts/test.sh`) | every run | "
@@ -85,7 +88,7 @@ def table() -> str:
             at = f" at `{r['commit'][:12]}`" if r.get("commit") else ""
             counts = f"{r['passed']} passed, {r['skipped']} skipped, {r['seconds']} s"
             if r["exit"] == 0 and r["failed"] == 0:
-                if is_current(r):
+                if is_current(r, head):
                     result = f"tested{at}: {counts}"
                 elif not at:
                     result = f"last tested {r['date']}, commit not recorded, so not current: {counts}"
@@ -116,13 +119,20 @@ def main(argv: list[str]) -> int:
     if "--paths" in argv:
         print(" ".join(RAN_PATHS))
         return 0
+    if "--ran" in argv:
+        try:
+            print(json.dumps(ran_at(argv[argv.index("--ran") + 1])))
+        except NoCheckout as exc:
+            print(f"cannot read what a release check runs: {exc}", file=sys.stderr)
+            return 2
+        return 0
     doc = DOCS / "compatibility.md"
     text = doc.read_text()
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
     try:
         wanted = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-    except NoHistory as exc:
+    except NoCheckout as exc:
         print(f"cannot judge the release records: {exc}", file=sys.stderr)
         return 2
     if "--write" in argv:

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "vllm_releases_table.py"
 
@@ -37,7 +35,7 @@ def test_tested_releases_are_ci_s_and_checked_ones_the_recorded_passes() -> None
 
 
 def test_the_doc_table_is_made_from_the_records() -> None:
+    """Judged against HEAD's tree, which a shallow clone has too; outside a git checkout the script exits 2 and this
+    fails, saying so (a table whose currency cannot be judged is not shown to be right)."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=60)
-    if proc.returncode == 2:
-        pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr

@@ -2,7 +2,8 @@
 
 Supported: vLLM 0.23.x (what vllm-ascend 0.23.0.post1 runs) through the newest; tested: the releases CI runs at every
 commit, :data:`TESTED_RELEASES`; release-checked: those scripts/check_vllm_releases.sh passed at a recorded commit,
-:data:`CHECKED_RELEASES` (docs/compatibility.md says at which commit, and whether the code has changed since).
+:data:`CHECKED_RELEASES` (docs/compatibility.md says at which commit, and whether what it ran has changed since: this
+code cannot know, so it never says checked "at this commit").
 Nothing else in the package compares versions or probes vLLM for optional parts: it asks
 this module. Where the contract differs, the difference is detected from vLLM's own classes (a method or field is
 there or not), not from the version number, so a patched or back-ported vLLM still gets the right path; the
@@ -42,7 +43,8 @@ TESTED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({(0, 23, 0), (0, 32
 #: Release-checked: scripts/check_vllm_releases.sh ran the contract tests and a real P/D pair on these and recorded a
 #: pass (docs/vllm_releases.json, whose passing entries tests/unit/test_vllm_releases_table.py holds this set to), at a
 #: commit that may be older than this code, so they are never called tested here: docs/compatibility.md names each
-#: record's commit and says whether it is current.
+#: record's commit and says whether it is current. Not the current ones only: this set is part of what a release
+#: check runs, so a set updated after the runs would make every record it lists stale.
 CHECKED_RELEASES: frozenset[tuple[int, int, int]] = frozenset({
     (0, 24, 0), (0, 25, 0), (0, 25, 1), (0, 26, 0), (0, 27, 0), (0, 27, 1), (0, 28, 0), (0, 29, 0), (0, 30, 0),
     (0, 31, 0),
@@ -100,7 +102,10 @@ class SupportVerdict:
         """What the start-up line says of this vLLM."""
         if self.tested:
             return "tested"
-        return "release-checked at a recorded commit, see docs/compatibility.md" if self.checked else "untested"
+        if self.checked:
+            return ("release-checked at a recorded commit, not necessarily this code: docs/compatibility.md says "
+                    "whether it is current")
+        return "untested"
 
 
 def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVerdict:
@@ -128,7 +133,7 @@ def support_verdict(version: str, allow_unsupported: bool = False) -> SupportVer
     if parsed in CHECKED_RELEASES:
         return SupportVerdict(version, True, False, (
             f"vLLM {version}: release-checked (scripts/check_vllm_releases.sh passed on it at the commit "
-            f"docs/compatibility.md names; tested at every commit: {tested_names})"
+            f"docs/compatibility.md names, not necessarily this code; tested at every commit: {tested_names})"
         ), checked=True)
     return SupportVerdict(version, True, False, (
         f"vLLM {version} is untested with MooncakeP2PConnector (tested: {tested_names}; release-checked: "

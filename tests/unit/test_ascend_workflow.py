@@ -4,7 +4,10 @@ it is checked statically instead (its lint: tests/unit/test_ascend_workflow_acti
 * it runs the same pytest selection as the CPU CI (tests/unit/test_ci_selection.py): exactly one
   ``scripts/run_suite.sh PYTHON`` with nothing after PYTHON, whose pytest argv equals that of ``.ci/run``'s call;
 * it installs the Ascend stack itself (never scripts/setup.sh, the CPU set-up), builds with KVP2P_BUILD_NPU=ON,
-  runs on a multi-card 910B (A2) runner in the CANN 9.1.0 910B image, with timeouts and a concurrency group.
+  runs on a multi-card 910B (A2) runner in the CANN 9.1.0 910B image, with timeouts and a concurrency group;
+* before its ``--no-build-isolation`` build it installs pyproject.toml's [build-system] requirements as pinned there
+  (the build uses what is installed), and it checks out this repository's whole history (``fetch-depth: 0``: the
+  release-record tests judge each record's commit, which a shallow clone lacks).
 
 Every check is also run on broken copies of the workflow, to show that it can fail.
 """

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tests.e2e.helpers import prompt_ids, wait_kv_idle
 from tests.e2e.test_openai_clients import engine_core
-from tests.unit.test_proxy import ServerThread, closed_port_url
+from tests.unit.proxy_harness import ServerThread, closed_port_url
 from vllm_kvp2p.proxy.hold_abandon import HoldAbandoner
 from vllm_kvp2p.proxy.server import create_app
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster

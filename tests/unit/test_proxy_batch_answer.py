@@ -9,7 +9,7 @@ header line) failed from 150 prompts. Now the batch answers as it streams: ``X-R
 (``kv_transfer_params.kvp2p_routes``).
 
 Real clients (the ``openai`` package, aiohttp) against the real proxy under uvicorn, in front of the stub engines
-of test_proxy.py served under a path prefix that makes their URLs 65 characters long (no DNS needed).
+of proxy_harness.py served under a path prefix that makes their URLs 65 characters long (no DNS needed).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import httpx
 import openai
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, ServerThread, Stub, make_stub_app
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, COMPLETION, ServerThread, Stub, make_stub_app
 
-make_proxy = harness.make_proxy  # test_proxy.py's fixture: the real proxy under uvicorn
+make_proxy = harness.make_proxy  # proxy_harness.py's fixture: the real proxy under uvicorn
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """Issue 37 item 4, no cache oracle: the proxy's answers tell no client what is cached unless ``--cache-headers``
 says so, and a request vLLM hashes with extra keys (``cache_salt``, a LoRA adapter, multimodal content, prompt
 embeddings) is routed by load whatever form its prompt has: :func:`why_not_hashed` (pure, every combination) and
-the real :class:`PromptReader`, then the proxy run for real against test_proxy.py's stub engines."""
+the real :class:`PromptReader`, then the proxy run for real against proxy_harness.py's stub engines."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, Stub
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, COMPLETION, Stub
 from vllm_kvp2p.proxy.block_hashes import make_hasher
 from vllm_kvp2p.proxy.cli import build_parser
 from vllm_kvp2p.proxy.prompt_tokens import (
@@ -28,7 +28,7 @@ from vllm_kvp2p.proxy.prompt_tokens import (
 )
 from vllm_kvp2p.proxy.upstream import Answer
 
-# test_proxy.py's fixtures: its stub engines (their own, for this module) and proxies.
+# proxy_harness.py's fixtures: its stub engines (their own, for this module) and proxies.
 stubs = harness.stubs
 make_proxy = harness.make_proxy
 

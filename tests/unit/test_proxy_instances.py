@@ -1,6 +1,6 @@
 """The proxy of ordinary instances (``vllm-kvp2p-proxy --instances``): no P step, each request goes whole to the
 instance routing chooses, by outstanding requests as in P/D mode. What benchmarks/bench_goodput.py puts two
-ordinary instances behind, to compare P/D with them. Stub upstreams from test_proxy.py."""
+ordinary instances behind, to compare P/D with them. Stub upstreams from proxy_harness.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, Stub, sse_events
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, COMPLETION, Stub, sse_events
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances
 
-# test_proxy.py's fixtures: its stub engines (their own, for this module, reset before each test) and proxies.
+# proxy_harness.py's fixtures: its stub engines (their own, for this module, reset before each test) and proxies.
 stubs = harness.stubs
 make_proxy = harness.make_proxy
 _reset_stubs = harness._reset_stubs

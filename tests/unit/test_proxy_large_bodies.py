@@ -1,5 +1,5 @@
 """Large, deep and multiplied request bodies (issue 45, item 8), through the real proxy under uvicorn in front of
-the stub engines of test_proxy.py.
+the stub engines of proxy_harness.py.
 
 The findings: one 62 MiB body stalled the proxy for every client (``/health`` 6 ms -> 2,308 ms: parsed, validated
 and re-serialised on its event loop); a batch multiplied the bound on ``n`` (1,024 prompts x n = 16,384 accepted as
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, COMPLETION, Stub, assert_openai_error, one_pd
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, COMPLETION, Stub, assert_openai_error, one_pd
 
 stubs = harness.stubs
 make_proxy = harness.make_proxy

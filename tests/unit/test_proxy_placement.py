@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.unit.test_proxy import CLIENT_TIMEOUT, ServerThread, closed_port_url
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, ServerThread, closed_port_url
 from vllm_kvp2p.contract.pairing_key import METRIC, PairingKey
 from vllm_kvp2p.proxy.cli import build_parser, resolve_instances, resolve_placing
 from vllm_kvp2p.proxy.disaggregation import Mode, Objectives

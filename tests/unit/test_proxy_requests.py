@@ -1,4 +1,4 @@
-"""Issue 36 through the proxy, run for real against the stub engines of test_proxy.py: batched prompts, P's n=1,
+"""Issue 36 through the proxy, run for real against the stub engines of proxy_harness.py: batched prompts, P's n=1,
 clients that leave mid-request, the forwarded and refused routes."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import (
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import (
     CLIENT_TIMEOUT,
     COMPLETION,
     Stub,
@@ -23,7 +23,7 @@ from tests.unit.test_proxy import (
     proxy_health,
 )
 
-# test_proxy.py's fixtures: its stub engines (their own, for this module) and proxies.
+# proxy_harness.py's fixtures: its stub engines (their own, for this module) and proxies.
 stubs = harness.stubs
 make_proxy = harness.make_proxy
 

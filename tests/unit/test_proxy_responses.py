@@ -1,5 +1,5 @@
 """``POST /v1/responses`` through the proxy: the body rules directly (endpoints.py, validation.check_responses), then
-the whole flow against the stub engines of test_proxy.py (P's copy, D's body, JSON and SSE relayed, the 400s)."""
+the whole flow against the stub engines of proxy_harness.py (P's copy, D's body, JSON and SSE relayed, the 400s)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.unit import test_proxy as harness
-from tests.unit.test_proxy import CLIENT_TIMEOUT, Stub, assert_openai_error, one_pd, proxy_health
+from tests.unit import proxy_harness as harness
+from tests.unit.proxy_harness import CLIENT_TIMEOUT, Stub, assert_openai_error, one_pd, proxy_health
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS, PREFILL_KV_TRANSFER_PARAMS
 from vllm_kvp2p.proxy.prompt_tokens import tokenize_request
 from vllm_kvp2p.proxy.routes import SERVED, not_served

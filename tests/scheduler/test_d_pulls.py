@@ -239,7 +239,7 @@ def test_d_blocks_being_loaded_are_never_prefix_hits():
 def test_d_request_with_prompt_logprobs_computes_its_prompt_and_releases_p():
     """``prompt_logprobs`` makes vLLM skip the prefix cache and compute the whole prompt: KV loaded for it would
     stand in for tokens whose logprobs it must compute. vLLM 0.32's scheduler ignores such a load itself; 0.23 took
-    it, and its engine died on the request (found by tests/e2e/test_openai_surface.py on 0.23)."""
+    it, and its engine died on the request (found by tests/e2e/test_openai_surface_completions.py on 0.23)."""
     sched = d_scheduler()
     params = remote_params(40)
     sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=params, prompt_logprobs=1))

@@ -1,4 +1,5 @@
-"""Conformance of vLLM's OpenAI surface through P/D (issue 36).
+"""Conformance of vLLM's OpenAI surface through P/D (issue 36): the cases' builders and what each case checks
+(tests/e2e/test_openai_surface_completions.py, _chat.py, _responses.py, _n_and_batches.py send them).
 
 Every parameter vLLM's completion and chat requests accept is sent, one case each (and a few combinations), through
 the proxy (P prefills, D pulls the KV and decodes) and to one instance (P itself, an ordinary vLLM, with a
@@ -10,8 +11,9 @@ index and compared whole (chunk boundaries may differ: vLLM merges the deltas a 
 their usage chunks are checked (``include_usage``: one final usage chunk; ``continuous_usage_stats``: usage on
 every chunk). After every case P and D hold no KV block (a hold left on P shows in ``vllm:kv_cache_usage_perc``).
 
-Every case has a prompt of its own (derived from its id), so that D pulls it rather than finding it in its own
-prefix cache from an earlier case. docs/conformance.md: the outcome of every case on vLLM 0.32 and 0.23.
+Every case has a prompt of its own (derived from its id, unique across the modules: :func:`case_params`), so that D
+pulls it rather than finding it in its own prefix cache from an earlier case. docs/conformance.md: the outcome of
+every case on vLLM 0.32 and 0.23.
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ from vllm_kvp2p.connector.compat import parse_version
 from vllm_kvp2p.testing.cluster import PDCluster as Cluster
 from vllm_kvp2p.testing.sse import sse_lines
 from vllm_kvp2p.testing.tiny_model import tiny_corpus
-
-pytestmark = pytest.mark.e2e
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MODEL = "tiny"
@@ -196,145 +196,6 @@ def computes_prompt_itself(route: str, body: Json) -> bool:
     (P prefilled it in vain)."""
     return body.get("prompt_logprobs") is not None or bool(
         body.get("echo") and (route == CHAT or body.get("logprobs") is not None))
-
-
-def _batch(size: int, ids: bool, stream: bool) -> Case:
-    case_id = f"batch-{size}-{'ids' if ids else 'str'}{'-stream' if stream else ''}"
-    prompts = [ids_prompt(f"{case_id}-{i}", 24 + i) if ids else text_prompt(f"{case_id}-{i}") for i in range(size)]
-    return completion(case_id, prompt=prompts, stream=stream, logprobs=1,
-                      **({"stream_options": USAGE} if stream else {}))
-
-
-CASES: list[Case] = [
-    # completions: sampling
-    completion("greedy-logprobs", logprobs=2),
-    completion("text-prompt", text=True, logprobs=1),
-    completion("seed-temperature", logprobs=1, **SAMPLED),
-    completion("seed-temperature-1.5", temperature=1.5, seed=7, logprobs=1),
-    completion("top_p", temperature=1.0, top_p=0.5, seed=11, logprobs=1),
-    completion("top_k", temperature=1.0, top_k=5, seed=12, logprobs=1),
-    completion("min_p", temperature=1.0, min_p=0.2, seed=13, logprobs=1),
-    completion("presence_penalty", presence_penalty=1.5, logprobs=1),
-    completion("frequency_penalty", frequency_penalty=1.0, logprobs=1),
-    completion("repetition_penalty", repetition_penalty=1.3, logprobs=1),
-    completion("penalties-sampled", presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-               top_k=20, top_p=0.9, **SAMPLED),
-    completion("logit_bias", logit_bias={"300": 100}, logprobs=1),
-    completion("logit_bias-ban", logprobs=1, case={"derive": ban_first_token}),
-    completion("allowed_token_ids", allowed_token_ids=[300, 301, 302], logprobs=1),
-    completion("bad_words", text=True, bad_words=["the"], case={"status": None}),
-    # completions: stopping and length
-    completion("stop", text=True, case=STOP),
-    completion("stop-include_stop_str", text=True, include_stop_str_in_output=True, case=STOP),
-    completion("stop_token_ids", logprobs=1, case={"derive": stop_token, "check": finished_by_stop}),
-    completion("min_tokens", min_tokens=8, case={"derive": stop_token_early, "check": at_least(8)}),
-    completion("max_tokens-1", max_tokens=1, logprobs=2),
-    completion("ignore_eos", ignore_eos=True, max_tokens=12),
-    completion("truncate_prompt_tokens", truncate_prompt_tokens=20, logprobs=1),
-    # completions: what the answer carries
-    completion("logprobs-5", logprobs=5),
-    completion("prompt_logprobs", prompt_logprobs=2),
-    completion("prompt_logprobs-and-logprobs", prompt_logprobs=1, logprobs=1),
-    completion("echo", text=True, echo=True, logprobs=1),
-    completion("echo-token-ids", echo=True),
-    completion("return_tokens_as_token_ids", logprobs=2, return_tokens_as_token_ids=True),
-    completion("return_token_ids", return_token_ids=True),
-    completion("add_special_tokens-false", text=True, add_special_tokens=False, logprobs=1),
-    completion("user", user="alice"),
-    completion("cache_salt", cache_salt="tenant-a", logprobs=1),
-    # completions: structured outputs
-    completion("structured-choice", text=True, **structured("choice", ["apple pie", "banana split", "cherry"])),
-    completion("structured-regex", text=True, **structured("regex", r"[a-z]{3}-[0-9]{3}")),
-    completion("structured-json", text=True, max_tokens=12, **structured("json", SCHEMA)),
-    completion("response_format-json_schema", text=True, max_tokens=12, case={"status": None},
-               response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}),
-    # completions: refused alike
-    completion("n-greedy", n=3, case={"status": 400, "names": "n"}),
-    completion("suffix", text=True, suffix="end", case={"status": 400, "names": "suffix"}),
-    completion("priority", priority=1, case={"status": None, "names": "priority"}),
-    # completions: streams
-    completion("stream", stream=True),
-    completion("stream-include_usage", stream=True, stream_options=USAGE),
-    completion("stream-continuous_usage_stats", stream=True, stream_options=CONTINUOUS),
-    completion("stream-logprobs", stream=True, logprobs=2, stream_options=USAGE),
-    completion("stream-echo", text=True, stream=True, echo=True, stream_options=USAGE),
-    completion("stream-prompt_logprobs", stream=True, prompt_logprobs=1, case=STREAMED_PROMPT_LOGPROBS),
-    completion("stream-seed", stream=True, logprobs=1, stream_options=CONTINUOUS, **SAMPLED),
-    completion("stream-stop", text=True, stream=True, stream_options=USAGE, case=STOP),
-    completion("stream-structured-choice", text=True, stream=True, **structured("choice", ["yes", "no"])),
-    completion("stream-return_tokens_as_token_ids", stream=True, logprobs=1, return_tokens_as_token_ids=True),
-    # chat
-    chat("chat-greedy"),
-    chat("chat-logprobs-top_logprobs", logprobs=True, top_logprobs=3),
-    chat("chat-seed-temperature", logprobs=True, top_p=0.9, top_k=40, **SAMPLED),
-    chat("chat-system-multi-turn", messages=[
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": text_prompt("chat-system-multi-turn-1")},
-        {"role": "assistant", "content": "The quick brown fox."},
-        {"role": "user", "content": text_prompt("chat-system-multi-turn-2")}]),
-    chat("chat-max_completion_tokens", max_completion_tokens=6, max_tokens=None),
-    chat("chat-stop", case=STOP),
-    chat("chat-min_tokens", min_tokens=8, case={"derive": stop_token_early, "check": at_least(8)}),
-    chat("chat-penalties", presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2, logprobs=True),
-    chat("chat-logit_bias", logit_bias={"301": 100}, logprobs=True),
-    chat("chat-ignore_eos", ignore_eos=True),
-    chat("chat-prompt_logprobs", prompt_logprobs=1),
-    chat("chat-return_tokens_as_token_ids", logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True),
-    chat("chat-user-cache_salt", user="bob", cache_salt="tenant-b"),
-    # tool calls need --tool-call-parser on vLLM 0.32 (the session's engines have none): the same 400 there
-    chat("chat-tools-named", tools=TOOLS, max_tokens=12, tool_choice=NAMED_TOOL, case=TOOL_CALL),
-    chat("chat-tools-required", tools=TOOLS, tool_choice="required", max_tokens=12, case=TOOL_CALL),
-    chat("chat-tools-auto", tools=TOOLS, tool_choice="auto", case={"status": None}),
-    chat("chat-tools-none", tools=TOOLS, tool_choice="none"),
-    chat("chat-tools-history", tools=TOOLS, tool_choice="none", messages=[
-        {"role": "user", "content": text_prompt("chat-tools-history")},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]),
-    chat("chat-template", chat_template=TEMPLATE, case={"status": None}),
-    chat("chat-template_kwargs", chat_template_kwargs={"enable_thinking": False}),
-    chat("chat-continue_final_message-echo", add_generation_prompt=False, continue_final_message=True, echo=True,
-         messages=[{"role": "user", "content": text_prompt("chat-continue")},
-                   {"role": "assistant", "content": "Once upon a"}]),
-    chat("chat-structured-choice", **structured("choice", ["red", "green", "blue"])),
-    chat("chat-structured-regex", **structured("regex", r"[0-9]{2}:[0-9]{2}")),
-    chat("chat-structured-json", max_tokens=12, **structured("json", SCHEMA)),
-    chat("chat-response_format-json_object", max_tokens=12, response_format={"type": "json_object"}),
-    chat("chat-response_format-json_schema", max_tokens=12,
-         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}),
-    chat("chat-n-greedy", n=2, case={"status": 400, "names": "n"}),
-    # chat: streams
-    chat("chat-stream", stream=True),
-    chat("chat-stream-include_usage", stream=True, stream_options=USAGE, logprobs=True, top_logprobs=2),
-    chat("chat-stream-continuous_usage_stats", stream=True, stream_options=CONTINUOUS, **SAMPLED),
-    chat("chat-stream-tools-named", stream=True, tools=TOOLS, max_tokens=12, stream_options=USAGE,
-         tool_choice=NAMED_TOOL, case=TOOL_CALL),
-    chat("chat-stream-prompt_logprobs", stream=True, prompt_logprobs=1, case=STREAMED_PROMPT_LOGPROBS),
-    # the Responses API
-    responses("responses"),
-    responses("responses-sampled", temperature=0.8, top_p=0.9, seed=5),
-    responses("responses-instructions-messages", instructions="Answer briefly.",
-              input=[{"role": "user", "content": text_prompt("responses-messages")}]),
-    responses("responses-logprobs", top_logprobs=2, include=["message.output_text.logprobs"]),
-    responses("responses-store-false", store=False),
-    responses("responses-stream", stream=True),
-    responses("responses-previous_response_id", previous_response_id="resp_0123456789abcdef",
-              case={"status": None, "pd_refuses": "previous_response_id"}),
-    responses("responses-background", background=True, case={"status": None, "pd_refuses": "background"}),
-    chat("chat-stream-stop", stream=True, stream_options=USAGE, case=STOP),
-    # n > 1 and batched prompts
-    completion("n-3", n=3, logprobs=1, **SAMPLED),
-    completion("n-3-stream", n=3, logprobs=1, stream=True, stream_options=USAGE, **SAMPLED),
-    chat("chat-n-3", n=3, logprobs=True, **SAMPLED),
-    chat("chat-n-3-stream", n=3, stream=True, stream_options=USAGE, **SAMPLED),
-    *(_batch(size, ids, stream) for size in (2, 8) for ids in (False, True) for stream in (False, True)),
-    # vLLM's beam search runs requests of its own without the prefill's KV: P/D refuses it, naming it (before:
-    # the same answer, D computing the prompt itself and P holding it for nobody until its hold timeout).
-    completion("use_beam_search", text=True, use_beam_search=True, n=2,
-               case={"status": None, "pd_refuses": "use_beam_search"}),
-]
-assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
-CASES.sort(key=lambda c: c.xfail is not None)  # stable: the xfails last, their holds must not fail the others' check
 
 
 # -- requests and answers ---------------------------------------------------------------------------------------
@@ -508,20 +369,31 @@ def assert_same(pd: Answer, one: Answer, body: Json, names: str | None = None) -
         found = [f for f in found if ".text_offset[" not in f]
     assert not found, "P/D and one instance differ:\n" + "\n".join(found[:20])
 
+# -- one case, run ------------------------------------------------------------------------------------------------
 
-# -- the tests ----------------------------------------------------------------------------------------------------
+_CASE_IDS: set[str] = set()  # every module's, as each registers its cases
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _nothing_held_after_the_module(cluster: Cluster) -> Any:
-    """An xfail case may leave a hold on P until its hold timeout: the next module must not see it."""
-    yield
+def case_params(cases: list[Case]) -> list[Any]:
+    """A module's cases as pytest params, the xfails last (stable: their holds must not fail the others' check).
+    Case ids are unique across the modules: each id gives its case a prompt of its own."""
+    ids = [c.id for c in cases]
+    repeated = (set(ids) & _CASE_IDS) | {i for i in ids if ids.count(i) > 1}
+    assert not repeated, f"case ids must be unique across the OpenAI-surface modules: {sorted(repeated)}"
+    _CASE_IDS.update(ids)
+    return [c.param() for c in sorted(cases, key=lambda c: c.xfail is not None)]
+
+
+def wait_nothing_held(cluster: Cluster) -> None:
+    """At the end of a module: an xfail case may leave a hold on P until its hold timeout, the next module must
+    not see it."""
     for server in (cluster.prefill, cluster.decode):
         wait_kv_idle(server, timeout=HOLD_TIMEOUT_S + 10)
 
 
-@pytest.mark.parametrize("case", [c.param() for c in CASES])
-def test_same_answer_through_pd_as_on_one_instance(cluster: Cluster, case: Case) -> None:
+def same_answer_through_pd_as_on_one_instance(cluster: Cluster, case: Case) -> None:
+    """The case through P/D and on one instance: the same answer (or the same refusal, or P/D's 400 naming what
+    it cannot serve), the prompt's KV pulled from P, nothing held afterwards."""
     body = case.body
     if case.derive is not None:
         greedy = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -549,4 +421,3 @@ def test_same_answer_through_pd_as_on_one_instance(cluster: Cluster, case: Case)
         if body.get("n", 1) == 1:  # (n > 1: vLLM's parallel sampling on D may compute a child's prompt)
             assert moved["local_compute"] == 0, f"D computed prompt tokens itself: {moved}"
     assert_ends_clean(cluster, wait=1.0 if case.xfail else IDLE_WAIT_S)
-

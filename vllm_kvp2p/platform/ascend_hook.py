@@ -55,7 +55,7 @@ def ascend_arena_size(kv_cache_config: Any) -> int:
     or cache-only layer) is allocated twice by vllm-ascend 0.23.0.post1: its attention branch marks only the names
     containing "attn" as done, so the single-tensor branch allocates the whole size again for the others
     (model_runner_v1.py:4118 and :4280). With the other layer first, one allocation serves all. Both orders run
-    through the released code in tests/unit/test_vllm_ascend_release.py.
+    through the released code in tests/unit/test_vllm_ascend_release_arena.py.
 
     vLLM >= 0.29 describes the cache differently (KVCacheTensor with ``layers``/``layer_stride``: every descriptor's
     ``size`` is the one shared backing), and vllm-ascend 0.30.0rc2 does not allocate that backing: see

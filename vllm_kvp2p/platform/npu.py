@@ -18,7 +18,7 @@ class NpuPlatform(KVPlatform):
     name = "npu"
     default_protocol = "ascend"
     # vllm-ascend's NPUModelRunner._reshape_kv_cache_tensors views K and V as separate [blocks, tokens, heads,
-    # head] tensors (MLA: nope and rope, one head); tests/unit/test_vllm_ascend_release.py reads it there.
+    # head] tensors (MLA: nope and rope, one head); tests/unit/test_vllm_ascend_release_layout.py reads it there.
     attention_interior = AttentionInterior.TOKEN_MAJOR
     # vllm-ascend hard-codes this HCCL per-process limit (MAX_HCCL_REGISTER_REGIONS).
     max_registered_regions = 256

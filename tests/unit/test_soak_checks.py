@@ -1,17 +1,20 @@
 """The soak's own checks (vllm_kvp2p.testing.soak) catch what they are there for: a table left non-empty or not
 reported at all, more entries than peers, a reading of tables an engine's last step saw long ago, a wrong answer;
-and the shutdown lines are extra evidence, only the last run of a restarted engine counting."""
+an engine that did not stop cleanly (killed, force-killed by vLLM, its tables not logged at shutdown: only the last
+run of a restarted engine counting); and the stop itself signals the API server alone."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from vllm_kvp2p.testing.soak import (
-    D_TABLES,
-    P_TABLES,
-    TABLE_GAUGE,
     SoakCluster,
     SoakPlan,
     SoakReport,
@@ -19,8 +22,16 @@ from vllm_kvp2p.testing.soak import (
     check_shutdown_tables,
     idle_table_leaks,
     make_specs,
+)
+from vllm_kvp2p.testing.soak_tables import (
+    D_TABLES,
+    EMPTY_WHEN_IDLE,
+    P_TABLES,
+    PER_PEER,
+    TABLE_GAUGE,
     reported_tables,
     shutdown_tables,
+    stop_engines,
     table_leaks,
 )
 
@@ -41,6 +52,7 @@ def _log(tmp_path: Path, *runs: str) -> Path:
 
 def test_idle_tables_pass() -> None:
     assert set(IDLE_P) == P_TABLES and set(IDLE_D) == D_TABLES
+    assert set(EMPTY_WHEN_IDLE) | set(PER_PEER) <= P_TABLES | D_TABLES  # every rule names a table some role has
     assert table_leaks("prefill1", P_TABLES, IDLE_P, peers=2) == []
     assert table_leaks("decode", D_TABLES, IDLE_D, peers=2) == []
 
@@ -51,7 +63,7 @@ def test_a_table_not_reported_is_a_leak_not_an_empty_table() -> None:
     assert table_leaks("prefill1", P_TABLES, renamed, peers=2) == [
         "prefill1: table 'holds' not reported (absent is not empty)",
         "prefill1: table 'hold_entries' reported but unknown to the soak (say what idle means for it in "
-        "vllm_kvp2p/testing/soak.py)"]
+        "vllm_kvp2p/testing/soak_tables.py)"]
     missing = table_leaks("decode", D_TABLES, {}, peers=2)
     assert len(missing) == len(D_TABLES) and all("not reported" in m for m in missing)
     # A P's tables are not a D's: each role's own are required.
@@ -148,7 +160,7 @@ def test_entries_that_end_with_time_are_waited_for_a_leak_is_reported_at_the_bou
     assert idle_table_leaks(cluster) == ["prefill2: holds = 1 at idle"]  # no bound given: one reading
 
 
-# --------------------------------------------------------------------------- the shutdown lines, extra evidence
+# --------------------------------------------------------------------------- the stop and the shutdown lines
 
 
 def test_shutdown_tables_reads_only_the_last_run(tmp_path: Path) -> None:
@@ -158,21 +170,118 @@ def test_shutdown_tables_reads_only_the_last_run(tmp_path: Path) -> None:
     assert shutdown_tables(path) == [IDLE_P]
 
 
-def test_a_missing_shutdown_line_is_a_note_a_leaked_one_a_leak(tmp_path: Path) -> None:
-    """vLLM's shutdown order decides whether a worker logs its tables (seen in CI: the engine core SIGTERMed in the
-    second it left its busy loop): no line is noted, not failed; a line that shows a leak still fails."""
-    from types import SimpleNamespace
-
-    quiet = tmp_path / "decode.log"
-    quiet.write_text("$ run\n(APIServer pid=9) WARNING [shutdown] Process manager: force killing remaining process "
-                     "EngineCore pid 964\n")
-    leaky = _log(tmp_path, f"(Worker pid=1) INFO rank 0 shutting down; connector tables: {({**IDLE_P, 'freed': 2})}")
-    p, d = SimpleNamespace(log_path=leaky), SimpleNamespace(log_path=quiet)
-    cluster = SimpleNamespace(producers=[p], engines=[p, d], tables_of=lambda s: P_TABLES if s is p else D_TABLES)
+def _stopped(tmp_path: Path, decode_log: str, *, unclean: tuple[str, ...] = ()) -> SoakReport:
+    """check_shutdown_tables on two stopped Ps with an idle line and a D whose last run logged ``decode_log``."""
+    idle_p = _log(tmp_path, f"(EngineCore pid=1) INFO rank 0 shutting down; connector tables: {IDLE_P}")
+    d_log = tmp_path / "decode.log"
+    d_log.write_text(f"$ run\n{decode_log}\n")
+    p1, p2, d = SimpleNamespace(log_path=idle_p), SimpleNamespace(log_path=idle_p), SimpleNamespace(log_path=d_log)
+    cluster = SimpleNamespace(producers=[p1, p2], engines=[p1, p2, d], unclean_stops=list(unclean),
+                              tables_of=lambda s: D_TABLES if s is d else P_TABLES)
     report = SoakReport(requests=1)
     check_shutdown_tables(cluster, report)
-    assert report.leaks == ["prefill1: freed = 2 at idle (at shutdown)"]
-    assert report.faults == ["decode: no 'connector tables' line at shutdown (its tables were read at idle)"]
+    return report
+
+
+def test_a_clean_stop_passes_and_a_leak_at_shutdown_is_a_leak(tmp_path: Path) -> None:
+    clean = _stopped(tmp_path, f"(EngineCore pid=2) INFO rank 0 shutting down; connector tables: {IDLE_D}")
+    assert clean.unclean_stops == [] and clean.leaks == [] and clean.ok
+    leaky = _stopped(tmp_path, "(EngineCore pid=2) INFO rank 0 shutting down; connector tables: "
+                               f"{({**IDLE_D, 'queued_plans': 2})}")
+    assert leaky.leaks == ["decode: queued_plans = 2 at idle (at shutdown)"] and not leaky.ok
+
+
+def test_a_missing_shutdown_line_or_a_kill_is_an_unclean_stop(tmp_path: Path) -> None:
+    """The stop is one SIGTERM to each API server (stop_engines), so every worker reaches its shutdown: no line
+    (absent is not empty), vLLM's force-kill of an engine core that outlived --shutdown-timeout, and the soak's own
+    SIGKILL of a server that did not exit are each a failure, never a note."""
+    killed = ("(APIServer pid=9) WARNING 12-07 02:07:38 [utils.py:654] [shutdown] Process manager: force killing "
+              "remaining process EngineCore pid 964")
+    report = _stopped(tmp_path, killed)
+    assert report.unclean_stops == [
+        f"decode: vLLM force-killed a process at shutdown: {killed[-160:]}",
+        "decode: 0 'connector tables' lines at shutdown, 1 expected (one per worker)"]
+    assert not report.ok
+    sigkilled = "prefill1: did not exit within 30 s of its SIGTERM, killed (SIGKILL to its process group)"
+    report = _stopped(tmp_path, f"(EngineCore pid=2) INFO rank 0 shutting down; connector tables: {IDLE_D}",
+                      unclean=(sigkilled,))
+    assert report.unclean_stops == [sigkilled] and not report.ok
+    two = f"rank 0 shutting down; connector tables: {IDLE_D}\nrank 0 shutting down; connector tables: {IDLE_D}"
+    assert _stopped(tmp_path, two).unclean_stops == [
+        "decode: 2 'connector tables' lines at shutdown, 1 expected (one per worker)"]
+
+
+# A stand-in engine core: records each SIGTERM it gets, then exits.
+_CHILD = """
+import signal, sys, time
+def got(n, f):
+    open(sys.argv[1] + "/child", "a").write("TERM\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, got)
+open(sys.argv[1] + "/child-up", "w").close()
+time.sleep(60)
+"""
+# A stand-in API server: its child shares its process group; on SIGTERM it records it, stops the child with one
+# SIGTERM of its own and exits, as vLLM's process manager does.
+_SERVER = """
+import signal, subprocess, sys, time
+out = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], out])
+def stop(n, f):
+    open(out + "/server", "a").write("TERM\\n")
+    child.terminate()
+    child.wait(10)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(60)
+"""
+
+
+class _Proc:
+    """What stop_engines uses of a VllmServer, over a real process group of its own."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", *args[:1], str(out), *args[1:]], start_new_session=True)
+        self.log_path = out / "server.log"
+        self.stops = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.stops += 1
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def test_stop_engines_signals_each_api_server_alone(tmp_path: Path) -> None:
+    server = _Proc(tmp_path, _SERVER, _CHILD)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child-up").exists():
+        assert time.monotonic() < deadline and server.is_running()
+        time.sleep(0.05)
+    assert stop_engines([server], timeout=20) == []
+    # One SIGTERM each: the server's from stop_engines, the child's from the server (a signal to the group
+    # would give the child a second one, straight from stop_engines).
+    assert (tmp_path / "server").read_text() == "TERM\n" and (tmp_path / "child").read_text() == "TERM\n"
+    assert server.stops == 1 and server.proc.returncode == 0
+
+
+def test_stop_engines_kills_a_server_that_does_not_exit(tmp_path: Path) -> None:
+    stubborn = _Proc(tmp_path, "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                               "open(sys.argv[1] + '/up', 'w').close(); time.sleep(60)")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "up").exists():  # its handler is set
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert stop_engines([stubborn], timeout=1.0) == [stubborn]
+    assert 1.0 <= time.monotonic() - t0 < 10 and stubborn.proc.returncode == -signal.SIGKILL
 
 
 # --------------------------------------------------------------------------- answers and the plan

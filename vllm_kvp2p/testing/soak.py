@@ -13,8 +13,10 @@ ports; the last tenth of the requests are sent once it serves again. Afterwards 
 * every engine's KV cache is empty again and the proxy has nothing outstanding;
 * the connector's tables are back to their idle sizes, read from each engine while it is up
   (``vllm:kvp2p_table_entries{table=...}`` on its /metrics, after a tiny request of its own: see
-  :func:`idle_table_leaks`); every table the role has must be there. The tables each worker logs at shutdown
-  (``connector tables:``) are checked too where vLLM's shutdown let it log them, and noted where not.
+  :func:`idle_table_leaks`); every table the role has must be there, a missing or unknown one fails;
+* each engine then stops cleanly (:func:`stop_engines`: SIGTERM to its API server, as a container runtime stops
+  its main process): it exits on its own, vLLM force-kills none of its processes, and each worker logs its tables
+  at shutdown (``connector tables:``), idle too (:func:`check_shutdown_tables`). A missing line fails.
 
 The CI runs a short soak (``tests/e2e_soak``); a longer one by hand::
 
@@ -26,13 +28,11 @@ Both print the requests sent, answered, cancelled, retried by the proxy, the fau
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import queue
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -45,11 +45,24 @@ from typing import Any
 
 import httpx
 
-from vllm_kvp2p.decode.pull_lanes import LANES_PER_PEER
 from vllm_kvp2p.lifecycle.producer import EARLY_RELEASE_TTL
 from vllm_kvp2p.proxy.hold_abandon import DEFAULT_ABANDON_TIMEOUT_S
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config, start_deployment, stop_deployment
 from vllm_kvp2p.testing.server import VllmServer, free_port
+from vllm_kvp2p.testing.soak_tables import (
+    D_TABLES,
+    FORCE_KILL,
+    P_TABLES,
+    SHUTDOWN_TIMEOUT_S,
+    STOP_WITHIN_S,
+    WORKERS_PER_ENGINE,
+    last_run,
+    nudge,
+    reported_tables,
+    shutdown_tables,
+    stop_engines,
+    table_leaks,
+)
 from vllm_kvp2p.testing.sse import sse_lines
 
 VOCAB = 512  # the tiny model's
@@ -69,18 +82,6 @@ IDLE_WITHIN_S = 20 + 20 + 15
 #: suspect_time from the failed pull, which ended before D's KV cache was idle), plus a margin.
 TABLES_IDLE_WITHIN_S = max(EARLY_RELEASE_TTL + DEFAULT_ABANDON_TIMEOUT_S, SUSPECT_TIME_S) + 3
 
-# Every table a worker reports (WorkerSide.table_sizes: HoldService's on P, PullLoop's on D), by role, and what
-# idle means for each: empty; at most so many entries per peer (D has one side-channel socket per pull thread that
-# talked to a P rank: LANES_PER_PEER of them); or kept on purpose after a hold ends and bounded by the ledger
-# itself (tombstones, deadlines, kept_answers: tests/unit/test_producer_ledger_heap.py, test_release_answers.py), only
-# required to be reported. A table the soak does not know is a failure too: say here what idle means for it.
-EMPTY_WHEN_IDLE = ("holds", "early_releases", "freed", "questions_waiting", "readers_per_hold", "queued_plans",
-                   "suspects", "results")
-PER_PEER = {"instances": 1, "registrations": 1, "rank_tables": 1, "sockets": LANES_PER_PEER}
-P_TABLES = frozenset({"holds", "early_releases", "tombstones", "freed", "deadlines", "readers_per_hold",
-                      "kept_answers", "questions_waiting"})
-D_TABLES = frozenset({"queued_plans", "instances", "suspects", "registrations", "rank_tables", "sockets", "results"})
-TABLE_GAUGE = "vllm:kvp2p_table_entries"
 
 
 @dataclass(frozen=True)
@@ -116,20 +117,21 @@ class SoakReport:
     errors: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
+    unclean_stops: list[str] = field(default_factory=list)  # an engine killed at shutdown, or its tables unlogged
     seconds: float = 0.0
     verified_pulls: int = 0  # D runs integrity=full: pulls whose every block matched P's bytes
     corrupted_pulls: int = 0  # ... and pulls whose bytes did not (each one a finding)
 
     @property
     def ok(self) -> bool:
-        return not (self.errors or self.mismatches or self.leaks or self.corrupted_pulls)
+        return not (self.errors or self.mismatches or self.leaks or self.unclean_stops or self.corrupted_pulls)
 
     def summary(self) -> str:
         return (f"soak: {self.requests} requests, {self.answered} answered, {self.cancelled} cancelled by the "
                 f"client, {self.proxy_retries} retried by the proxy, faults injected: {self.faults or 'none'}; "
                 f"{len(self.errors)} errors, {len(self.mismatches)} answers unlike the single instance, "
-                f"{len(self.leaks)} leaks, integrity: {self.verified_pulls} pulls verified, {self.corrupted_pulls} "
-                f"corrupted, {self.seconds:.0f} s")
+                f"{len(self.leaks)} leaks, {len(self.unclean_stops)} unclean stops, integrity: "
+                f"{self.verified_pulls} pulls verified, {self.corrupted_pulls} corrupted, {self.seconds:.0f} s")
 
 
 def make_specs(plan: SoakPlan) -> list[Spec]:
@@ -238,46 +240,6 @@ def _logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((abs(x - y) for x, y in zip(la["token_logprobs"], lb["token_logprobs"], strict=True)), default=0.0)
 
 
-def shutdown_tables(log_path: Path) -> list[dict[str, int]]:
-    """What each worker of the engine's last run logged at shutdown (``connector tables: {...}``)."""
-    return [ast.literal_eval(m) for m in re.findall(r"connector tables: (\{[^}]*\})", _last_run(log_path))]
-
-
-def table_leaks(name: str, expected: frozenset[str], sizes: Mapping[str, int], peers: int) -> list[str]:
-    """What is wrong with one engine's (or worker's) idle tables: a table of its role not reported (absent is not
-    empty), one the soak does not know, one not empty, one above its bound per peer."""
-    leaks = [f"{name}: table {key!r} not reported (absent is not empty)" for key in sorted(expected - set(sizes))]
-    leaks += [f"{name}: table {key!r} reported but unknown to the soak (say what idle means for it in "
-              "vllm_kvp2p/testing/soak.py)" for key in sorted(set(sizes) - expected)]
-    leaks += [f"{name}: {key} = {sizes[key]} at idle" for key in EMPTY_WHEN_IDLE if sizes.get(key)]
-    leaks += [f"{name}: {key} = {sizes[key]} > {per * peers} ({per} per peer, {peers} peers)"
-              for key, per in PER_PEER.items() if key in sizes and sizes[key] > per * peers]
-    return leaks
-
-
-def reported_tables(samples: Mapping[str, float]) -> dict[str, int]:
-    """The table sizes an engine's /metrics (:func:`parse_prometheus`'s samples) shows, by table: the largest of
-    its series (one per engine of the API server; each already the largest over its ranks)."""
-    out: dict[str, int] = {}
-    for key, value in samples.items():
-        base, _, labels = key.partition("{")
-        if base == TABLE_GAUGE and (m := re.search(r'(?:^|,)table="([^"]*)"', labels)):
-            out[m[1]] = max(out.get(m[1], 0), int(value))
-    return out
-
-
-def nudge(server: VllmServer) -> None:
-    """One tiny request straight to the engine, answered: its tables are read in a step now.
-
-    Why: the table gauges move only when the engine steps, and an idle engine does not step, so without this the
-    gauge would show whatever its last step saw, however long ago. No ``kv_transfer_params``: no hold on P, no pull
-    on D; the tables stay as they were. Its answer comes after its stats are on /metrics: vLLM's API server
-    records an engine step's stats in the same turn of its output loop that hands the step's outputs to their
-    requests (AsyncLLM's output_handler), and this request's last step is in those."""
-    server.post_json("/v1/completions", {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 1, "temperature": 0},
-                     timeout=60.0)
-
-
 class SoakCluster:
     """P1 and P2 (sharing core 0), D (core 1), the proxy in front of all three."""
 
@@ -285,12 +247,9 @@ class SoakCluster:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         common = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-        # vLLM's default shutdown (--shutdown-timeout 0, "abort") kills the engine core's process tree at once, so
-        # a worker mostly dies before it logs its tables at shutdown (check_shutdown_tables' extra evidence; the
-        # check is idle_table_leaks, on the running engines). With 15 s most workers log them, not all: vLLM's
-        # process manager still SIGTERMs or force-kills an engine core in its own order (seen in CI). It costs
-        # nothing when the engine stops at once; VllmServer.stop waits 20.
-        engine_args = (*engine_args, "--shutdown-timeout", "15")
+        # vLLM's default shutdown (--shutdown-timeout 0, "abort") gives an engine core no time to tear down before
+        # its process manager kills it; SHUTDOWN_TIMEOUT_S does (an idle engine stops in seconds; stop_engines waits).
+        engine_args = (*engine_args, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
         self.producers = [
             VllmServer(model, free_port(), cpus="0", log_path=log_dir / f"prefill{i}.log",
                        extra_args=(*engine_args, "--kv-transfer-config", kv_transfer_config("kv_producer")),
@@ -304,6 +263,7 @@ class SoakCluster:
             env={**common, **D_ENV},
         )
         self.proxy: ProxyProcess | None = None
+        self.unclean_stops: list[str] = []  # engines stop_engines had to SIGKILL (read by check_shutdown_tables)
 
     @property
     def engines(self) -> list[VllmServer]:
@@ -318,7 +278,15 @@ class SoakCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stop_deployment(self.proxy, self.engines)
+        """The proxy first, then the engines together by :func:`stop_engines`; idempotent."""
+        try:
+            if self.proxy is not None:
+                self.proxy.stop()
+            self.unclean_stops += [f"{server.log_path.stem}: did not exit within {STOP_WITHIN_S} s of its SIGTERM, "
+                                   "killed (SIGKILL to its process group)" for server in stop_engines(self.engines)]
+        finally:
+            stop_deployment(self.proxy, self.engines)  # whatever is left (idempotent): reaps, closes the logs
+
 
 
 def _kv_usage(server: VllmServer) -> float:
@@ -428,24 +396,24 @@ def run(cluster: SoakCluster, plan: SoakPlan) -> SoakReport:
 
 
 def check_shutdown_tables(cluster: SoakCluster, report: SoakReport) -> None:
-    """After the cluster stopped, extra evidence: the tables each worker of each engine's last run logged at
-    shutdown, checked as the idle ones were. vLLM's shutdown order decides whether a worker gets to log them
-    (its process manager may SIGTERM or force-kill the engine core first), so a missing line is a note, not a
-    leak: :func:`idle_table_leaks` read the same tables while the engine was up."""
+    """After the cluster stopped (:meth:`SoakCluster.__exit__`, the engines by :func:`stop_engines`): each engine
+    exited on its own, vLLM's process manager force-killed none of its processes (a teardown that outlasted
+    --shutdown-timeout), and its last run logged one line of tables per worker at shutdown, idle as at
+    :func:`idle_table_leaks`. Each one missing is an unclean stop: absent is not empty."""
     peers = len(cluster.producers)
+    report.unclean_stops += cluster.unclean_stops
     for server in cluster.engines:
         name = server.log_path.stem
+        run_log = last_run(server.log_path)
+        report.unclean_stops += [f"{name}: vLLM force-killed a process at shutdown: {line.strip()[-160:]}"
+                                 for line in run_log.splitlines() if FORCE_KILL in line]
         tables = shutdown_tables(server.log_path)
-        if not tables:
-            report.faults.append(f"{name}: no 'connector tables' line at shutdown (its tables were read at idle)")
+        if len(tables) != WORKERS_PER_ENGINE:
+            report.unclean_stops.append(f"{name}: {len(tables)} 'connector tables' lines at shutdown, "
+                                        f"{WORKERS_PER_ENGINE} expected (one per worker)")
         for sizes in tables:
             report.leaks += [f"{leak} (at shutdown)" for leak in
                              table_leaks(name, cluster.tables_of(server), sizes, peers)]
-
-
-def _last_run(log_path: Path) -> str:
-    text = log_path.read_text(errors="replace")
-    return text[text.rfind("\n$ ") + 1:] if "\n$ " in text else text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run(cluster, plan)
     check_shutdown_tables(cluster, report)
     print(report.summary())
-    for line in (*report.errors, *report.mismatches, *report.leaks):
+    for line in (*report.errors, *report.mismatches, *report.leaks, *report.unclean_stops):
         print("  " + line)
     print(f"logs: {log_dir}")
     if args.out:

@@ -18,6 +18,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+# Imported plainly: this module holds vLLM's KV-event and block-hash seams, so a module vLLM moves is an error here,
+# never a skip (tests/conftest.py keeps it out of the pure run: NEEDS_VLLM_OR_MOONCAKE).
+from vllm.distributed import kv_events
+from vllm.utils import hashing
+from vllm.v1.core import kv_cache_utils
+
 from vllm_kvp2p.proxy.block_hashes import make_hasher
 from vllm_kvp2p.proxy.instances import Instance, InstancePool, PromptBlocks
 from vllm_kvp2p.proxy.kv_event_feed import KVEventFeed
@@ -25,9 +31,6 @@ from vllm_kvp2p.proxy.kv_events import BlocksStored, decode_message
 from vllm_kvp2p.proxy.routing import Policy
 from vllm_kvp2p.testing.server import free_port
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
-kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
-hashing = pytest.importorskip("vllm.utils.hashing")
 BS = 16
 
 

@@ -35,15 +35,17 @@ from typing import Any
 
 import pytest
 
+# Imported plainly: this module holds the proxy's checks to vLLM's own request classes, so a module vLLM moves is an
+# error here, never a skip (tests/conftest.py keeps it out of the pure run: NEEDS_VLLM_OR_MOONCAKE).
+from vllm.entrypoints.openai.chat_completion import protocol as chat_protocol
+from vllm.entrypoints.openai.completion import protocol as completion_protocol
+from vllm.entrypoints.openai.responses import protocol as responses_protocol
+from vllm.entrypoints.serve.utils import api_utils
+
 from vllm_kvp2p.connector import compat
 from vllm_kvp2p.proxy.endpoints import ENDPOINTS
 from vllm_kvp2p.proxy.upstream import ProxyError
 from vllm_kvp2p.proxy.validation import Limits
-
-completion_protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
-chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
-responses_protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
-api_utils = pytest.importorskip("vllm.entrypoints.serve.utils.api_utils")
 
 #: The engine's context length and the prompt's tokens, as the serving code gets them from the model config and
 #: the tokenizer.

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ci_mode import lacks
 from vllm_kvp2p.testing.cluster import ProxyProcess, kv_transfer_config
 from vllm_kvp2p.testing.server import PIPELINE_STAGE_ARGS, VllmServer, free_port, free_port_run
 from vllm_kvp2p.testing.tiny_model import make_tiny_llama
@@ -133,7 +134,7 @@ def tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tp_cluster(tp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
     cpus = _usable_cpus()
     if len(cpus) < 2:
-        pytest.skip(f"P at --tensor-parallel-size 2 needs one core per rank; this process may use only {cpus}")
+        lacks(f"P at --tensor-parallel-size 2 needs one core per rank; this process may use only {cpus}")
     with TPCluster(
         tp_model_dir,
         tmp_path_factory.mktemp("tp-logs"),

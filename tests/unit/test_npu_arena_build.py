@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ci_mode import lacks
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "csrc" / "npu" / "npu_arena.cpp"
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
@@ -48,16 +50,22 @@ def _syntax_check(include: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def _require_compiler() -> None:
+    """A skip where there is no C++ compiler; a failure in CI mode, whose set-up builds vllm_kvp2p._C with it."""
+    if CXX is None:
+        lacks("no C++ compiler")
+
+
 def test_npu_arena_compiles_against_the_acl_declarations_it_uses(tmp_path: Path) -> None:
+    _require_compiler()
     (tmp_path / "acl").mkdir()
     (tmp_path / "acl" / "acl.h").write_text(ACL_DECLARATIONS)
     proc = _syntax_check(tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_the_check_fails_when_an_acl_function_is_missing(tmp_path: Path) -> None:
+    _require_compiler()
     (tmp_path / "acl").mkdir()
     (tmp_path / "acl" / "acl.h").write_text(ACL_DECLARATIONS.replace("aclrtFree", "aclrtFreeRenamed"))
     proc = _syntax_check(tmp_path)

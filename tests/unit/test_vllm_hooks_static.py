@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.ci_mode import lacks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -268,7 +270,7 @@ def test_the_installed_vllm_has_no_incompatibility() -> None:
     try:
         site = chk.installed_site()
     except SystemExit:
-        pytest.skip("no vLLM installed")
+        lacks("no vLLM installed")
     source = chk.dir_source(site)
     report = chk.check_release("installed", source, source, chk.load_ours(from_source=True), chk.package_uses())
     assert report["hard"] == [], chk.format_report(report)

@@ -9,8 +9,11 @@ import pytest
 
 from tests.e2e.helpers import Cluster, completion_body, post, prompt_ids, settle, wait_kv_idle
 from tests.e2e.test_hostile_params import fabricated_params
+from vllm_kvp2p.testing.soak_tables import nudge
 
 pytestmark = pytest.mark.e2e
+
+AGE_PAUSE_S = 2.0  # how long a hold is left waiting between two readings of its age
 
 
 def test_a_pd_request_moves_the_pull_and_hold_figures(cluster: Cluster) -> None:
@@ -19,14 +22,18 @@ def test_a_pd_request_moves_the_pull_and_hold_figures(cluster: Cluster) -> None:
                                 p.metric("vllm:kvp2p_holds_created_total"),
                                 p.metric("vllm:kvp2p_holds_released_total"))
     pulled_bytes = d.metric("vllm:kvp2p_pull_bytes_sum")
+    descriptors, claims = d.metric("vllm:kvp2p_pull_descriptors_count"), d.metric("vllm:kvp2p_claim_rtt_seconds_count")
+    descriptors_sum = d.metric("vllm:kvp2p_pull_descriptors_sum")
     prompt = prompt_ids(5 * 32 + 3, seed=9191)
     out = post(cluster.proxy_url + "/v1/completions", completion_body(prompt))
     report = out["kv_transfer_params"]["kvp2p_pull"]
     assert report["ok"], report
     assert settle(lambda: d.metric("vllm:kvp2p_pull_seconds_count"), pulls + 1) == pulls + 1
     assert d.metric("vllm:kvp2p_pull_bytes_sum") - pulled_bytes == report["bytes"]
-    assert d.metric("vllm:kvp2p_pull_descriptors_count") >= 1
-    assert d.metric("vllm:kvp2p_claim_rtt_seconds_count") >= 1
+    # One pull: one observation of its descriptors (as many as its report says) and one claim (one P rank).
+    assert d.metric("vllm:kvp2p_pull_descriptors_count") - descriptors == 1
+    assert d.metric("vllm:kvp2p_pull_descriptors_sum") - descriptors_sum == report["descriptors"] >= 1, report
+    assert d.metric("vllm:kvp2p_claim_rtt_seconds_count") - claims == 1
     assert settle(lambda: p.metric("vllm:kvp2p_holds_created_total"), created + 1) == created + 1
     assert settle(lambda: p.metric("vllm:kvp2p_holds_released_total"), released + 1) == released + 1
     # vLLM's labels: the model and the engine.
@@ -45,6 +52,13 @@ def test_blocks_held_gauge_rises_with_a_hold_and_returns_to_zero(cluster: Cluste
     assert held == 3.0, held  # the prompt's 3 blocks, waiting for D
     age = p.metric("vllm:kvp2p_oldest_hold_age_seconds")  # exported (absent fails), and the age of a fresh hold
     assert 0.0 <= age < 60.0, age
+    # The hold waits; the gauge moves when P steps, so a plain request of P's own (no hold) makes it step: the age
+    # it then shows is that of the same hold, older by at least the pause (a gauge stuck at 0 fails here).
+    time.sleep(AGE_PAUSE_S)
+    nudge(p)
+    aged = p.metric("vllm:kvp2p_oldest_hold_age_seconds")
+    assert AGE_PAUSE_S <= aged - age < 60.0, (age, aged)
+    assert p.metric("vllm:kvp2p_blocks_held") == 3.0  # the nudge held nothing
     out = post(cluster.decode.url + "/v1/completions", completion_body(prompt, kv_transfer_params=params))
     assert out["kv_transfer_params"]["kvp2p_pull"]["ok"]
     assert settle(lambda: p.metric("vllm:kvp2p_blocks_held"), 0.0) == 0.0

@@ -1,13 +1,17 @@
-"""Every error message the docs quote from the code, rendered by the code itself (issue 38 item 4): each case calls
-the code with the input that triggers the message and checks it against the doc's quote, so a quoted message
-cannot drift from what an operator sees.
+"""Error messages the docs quote from the code, rendered by the code itself (issue 38 item 4): each case calls the
+code with the input that triggers the message and checks it against the doc's quote, so a quoted message cannot
+drift from what an operator sees. Configuration, the verdict on params, versions, start-up refusals, the proxy and
+LoRA here; the pairing checks and the side channel's in test_quoted_pairing_messages.py. Every message the docs
+quote is one of these, a log line matched against the code's format string, or listed as not ours
+(test_quoted_messages_scan.py).
 
 A quote is matched as a template: ``<name>`` (a placeholder) and ``...`` / ``[...]`` / ``(...)`` (text left out)
 stand for any text; everything else must be the code's text, exactly (white space, which the docs wrap, counts as
 one space). The quote must also still be in the doc, so editing either side alone fails here.
 
 Where the docs quote a log line whose prefix a caller adds (``pull of <id> failed (<kind>): ``), ``after`` names
-the part of the quote the rendered message must match; the whole quote must still be in the doc.
+the part of the quote the rendered message must match; the whole quote must still be in the doc, and the prefix
+must be the code's own text (tests/support/doc_quotes.py, CodeText).
 
 Pure: no vLLM, no Mooncake (Mooncake's import is made to fail here, as on a machine without the wheel).
 """
@@ -15,15 +19,14 @@ Pure: no vLLM, no Mooncake (Mooncake's import is made to fail here, as on a mach
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.support.doc_quotes import Quoted, check_quoted, quote_pattern
 from tests.support.prompts import prompt, remote
 from vllm_kvp2p.connector import compat
 from vllm_kvp2p.contract.auth import Authenticator
@@ -31,29 +34,8 @@ from vllm_kvp2p.contract.config import ConfigError, KVP2PConfig
 from vllm_kvp2p.lifecycle.admission import Decoder, Prompt, Refused, judge
 from vllm_kvp2p.lifecycle.pull_actions import LocalKV
 from vllm_kvp2p.lifecycle.stages import coverage_problem
-from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, KVGroup, single_full_group
+from vllm_kvp2p.transfer.kv_groups import FULL, SLIDING, KVGroup, load_failure_problem, single_full_group
 from vllm_kvp2p.transfer.tp_mapping import Layout, UnsupportedLayout
-
-ROOT = Path(__file__).resolve().parents[2]
-
-#: Text a quote leaves out or names by a placeholder.
-_GAP = re.compile(r"<[^<>\n]+>|\[\.\.\.\]|\(\.\.\.\)|\.\.\.|…")
-
-
-def _spaces(text: str) -> str:
-    return " ".join(text.split())
-
-
-def quote_pattern(quote: str) -> re.Pattern[str]:
-    """The quote as a regular expression: placeholders and gaps match any text, the rest itself."""
-    pieces, last = [], 0
-    for gap in _GAP.finditer(quote):
-        pieces.append(re.escape(quote[last:gap.start()]))
-        literal = gap.group()
-        pieces.append(r"\[.*?\]" if literal == "[...]" else r"\(.*?\)" if literal == "(...)" else ".*?")
-        last = gap.end()
-    pieces.append(re.escape(quote[last:]))
-    return re.compile("".join(pieces), re.DOTALL)
 
 
 def raised(call: Callable[[], object], kind: type[BaseException] = ConfigError) -> str:
@@ -111,12 +93,12 @@ def _slo_refused() -> str:
 HYBRID = (KVGroup(FULL, 16), KVGroup(SLIDING, 16, 40))  # D of a model with sliding-window and full layers
 
 
-def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0, seed: int = 0,
+def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0, seed: int = 0, length: int = 60,
              groups: tuple[KVGroup, ...] = single_full_group(16)) -> str:
-    """D's verdict on ``params`` for the prompt ``prompt(60, seed)`` (seed 0: the one they were issued for)."""
+    """D's verdict on ``params`` for the prompt ``prompt(length, seed)`` (seed 0: the one they were issued for)."""
     auth = Authenticator(b"0123456789abcdef0123", clock_skew=30) if secret else None
     decoder = Decoder(16, groups, peer_ports=config().peer_port_ranges())
-    verdict = judge(params, prompt(60, seed), decoder,
+    verdict = judge(params, prompt(length, seed), decoder,
                     authenticate=(lambda r: auth.params_problem(r, now_ms)) if auth is not None else None)
     assert isinstance(verdict, Refused), verdict
     return verdict.reason
@@ -124,6 +106,11 @@ def _refusal(params: dict, *, secret: bool = False, now_ms: int = 0, seed: int =
 
 def _issued(port: int = 20000, **fields: object) -> dict:
     return remote([[10, 11, 12, 13]], 60, 16, host="10.0.0.7", port=port, **fields).to_params()
+
+
+def _offered(block_ids: list[list[int]], block_size: int = 16) -> dict:
+    """Params P issued for the 60-token prompt, with another block list or block size."""
+    return remote(block_ids, 60, block_size, host="10.0.0.7", port=20000).to_params()
 
 
 def _layers_read_twice() -> str:
@@ -197,24 +184,29 @@ def _lora_refusal(tmp_path: Path, *, changed: bool) -> str:
     return verdict.reason
 
 
+#: P's WARNING before the reason it offers a prompt to no decoder (vllm_kvp2p/connector/scheduler.py).
+NOT_OFFERED = "KV not offered to a decoder (D computes the prompt itself): "
+
+
+def _lora_unbound(tmp_path: Path) -> str:
+    """Why P offers no params for a prompt with a LoRA adapter it cannot read (its WARNING's text after "KV not offered
+    to a decoder (D computes the prompt itself): ", vllm_kvp2p/connector/scheduler.py)."""
+    from types import SimpleNamespace
+
+    from vllm_kvp2p.connector.lora_weights import AdapterBook
+    from vllm_kvp2p.lifecycle.admission import UnboundPrompt
+
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(tmp_path / "sql"))  # not a directory here
+    book = AdapterBook()
+    book.see(lora)
+    return raised(lambda: book.digest(lora), UnboundPrompt)
+
+
 def _proxy_without_transformers(monkeypatch: pytest.MonkeyPatch) -> str:
     from vllm_kvp2p.proxy.local_tokenizer import LocalTokenizer, TokenizerSettingsError
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     return raised(lambda: LocalTokenizer("/nonexistent"), TokenizerSettingsError)
-
-
-@dataclass(frozen=True)
-class Quoted:
-    doc: str
-    quote: str
-    render: Callable[..., str]  # takes the pytest fixtures it names (monkeypatch, tmp_path, capsys) as keywords
-    after: str = ""  # the message is the quote's text after this prefix (a caller's log prefix)
-    part: bool = False  # the doc quotes a part of the message (its text around the quote is not the doc's)
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc}: {self.quote[:60]}"
 
 
 LEASE_50 = (
@@ -331,6 +323,35 @@ CASES = [
     Quoted("troubleshooting.md", "hybrid models need one block size: P uses <a>, D <b>",
            lambda: _refusal(remote([[1, 2], [2]], 60, 32, host="10.0.0.7", port=20000).to_params(), groups=HYBRID),
            part=True),
+    Quoted("models.md", "hybrid models need one block size", lambda: _refusal(
+        remote([[1, 2], [2]], 60, 32, host="10.0.0.7", port=20000).to_params(), groups=HYBRID), part=True),
+    # each field the verdict names (troubleshooting.md section 9: "invalid kv_transfer_params: <why>")
+    Quoted("security.md", "invalid kv_transfer_params: Expected `int` <= 1024 - at `$.tp_size`",
+           lambda: _refusal({**_issued(), "tp_size": 2000})),
+    Quoted("troubleshooting.md", "Expected `int` <= 1024 - at `$.tp_size`",
+           lambda: _refusal({**_issued(), "tp_size": 2000}), part=True),
+    Quoted("troubleshooting.md", "remote_hold_id is not valid Unicode (a lone surrogate)",
+           lambda: _refusal({**_issued(), "remote_hold_id": "\ud800x"}), part=True),
+    Quoted("troubleshooting.md", "remote_host 'p-0.prefill.svc' is not an IP address (P advertises its address, not "
+           "a name)", lambda: _refusal({**_issued(), "remote_host": "p-0.prefill.svc"}), part=True),
+    Quoted("troubleshooting.md", "remote_port <p> with <n> rank(s): ports <p>..<q> not inside the allowed "
+           "side-channel ports (...; the peer_ports setting)", lambda: _refusal(_issued(port=14996, tp_size=8)),
+           part=True),
+    Quoted("troubleshooting.md", "remote_num_tokens <n> outside 1..<m> (the prompt)",
+           lambda: _refusal({**_issued(), "remote_num_tokens": 63}, length=61), part=True),
+    Quoted("models.md", "remote_num_tokens 63 outside 1..61 (the prompt)",
+           lambda: _refusal({**_issued(), "remote_num_tokens": 63}, length=61), part=True),
+    Quoted("troubleshooting.md", "remote_prompt_digest does not match this request's first <n> prompt tokens (params "
+           "issued for another prompt, or P computed them with another LoRA adapter's weights or other inputs)",
+           lambda: _refusal(_issued(), seed=1), part=True),
+    Quoted("troubleshooting.md", "remote_prompt_digest is missing (P of an older release, or params not issued by P)",
+           lambda: _refusal({**_issued(), "remote_prompt_digest": ""}), part=True),
+    Quoted("troubleshooting.md", "remote_block_ids[<g>] has <k> blocks; <n> tokens in blocks of <b> need exactly <e> "
+           "(<group kind>)", lambda: _refusal(_offered([[10, 11]])), part=True),
+    Quoted("troubleshooting.md", "remote_block_ids[<g>] repeats a block id or names block 0 (vLLM's null block)",
+           lambda: _refusal(_offered([[10, 10, 11, 12]])), part=True),
+    Quoted("troubleshooting.md", "block sizes incompatible: P uses <a>, D uses <b>; one must divide the other",
+           lambda: _refusal(_offered([[10, 11, 12]], block_size=24)), part=True),
     # --- P's pipeline stages against D's layers (stages.py; pull.py adds "P's layers do not fill D's: ")
     Quoted("troubleshooting.md", "P's stages hold layers <names> more than once", _layers_read_twice, part=True),
     Quoted("troubleshooting.md",
@@ -359,6 +380,15 @@ CASES = [
     Quoted("security.md",
            "... LoRA adapter '<name>' (id <n>): its files in <directory> changed since this engine first read them "
            "(...)", lambda tmp_path: _lora_refusal(tmp_path, changed=True), part=True),
+    Quoted("security.md", f"{NOT_OFFERED}LoRA adapter ... (--lora-modules <name>=<directory>, ...)", _lora_unbound,
+           after=NOT_OFFERED),
+    Quoted("troubleshooting.md", f"{NOT_OFFERED}LoRA adapter ...", _lora_unbound, after=NOT_OFFERED),
+    # --- kv_groups.py: a D that one failed pull would stop
+    Quoted("troubleshooting.md", "MooncakeP2PConnector cannot run as a decoder on this vLLM with 2 KV-cache groups "
+           "... Start D and P with --disable-hybrid-kv-cache-manager (...), or run a vLLM that reports failed requests "
+           "(0.32 does)", lambda: load_failure_problem(2, True, False) or "", part=True),
+    Quoted("models.md", "cannot run as a decoder on this vLLM with 2 KV-cache groups ... Start D and P with "
+           "--disable-hybrid-kv-cache-manager", lambda: load_failure_problem(2, True, False) or "", part=True),
     Quoted("routing.md",
            "never pairing prefill instance http://a:8100 with decode instance http://b:8200: they cannot exchange KV: "
            "model fingerprint: P 3f…, D 9c… (the same model on both, vllm_kvp2p/contract/identity.py)",
@@ -370,20 +400,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_doc_quotes_what_the_code_says(case: Quoted, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _spaces((ROOT / ("docs" if case.doc != "README.md" else "") / case.doc).read_text())
-    quote = _spaces(case.quote)
-    assert quote in doc, f"docs/{case.doc} no longer quotes {quote!r}: update the quote here with the doc"
-    fixtures = {"monkeypatch": monkeypatch, "tmp_path": tmp_path, "capsys": capsys}
-    wanted = case.render.__code__.co_varnames[:case.render.__code__.co_argcount]
-    message = _spaces(case.render(**{name: fixtures[name] for name in wanted}))
-    assert message, "the code produced no message"
-    template = quote
-    if case.after:
-        assert quote.startswith(case.after), (quote, case.after)
-        template = quote[len(case.after):]
-    pattern = quote_pattern(template)
-    assert (pattern.search(message) if case.part else pattern.fullmatch(message)), (
-        f"docs/{case.doc} quotes {template!r}, the code says {message!r}")
+    check_quoted(case, {"monkeypatch": monkeypatch, "tmp_path": tmp_path, "capsys": capsys})
 
 
 def test_a_quote_matches_as_a_template_only() -> None:

@@ -135,6 +135,10 @@ def pytest_ignore_collect(collection_path: Path) -> bool | None:
 def pytest_configure(config: pytest.Config) -> None:
     if MODE not in ("", "pure", "contract", "older"):
         raise pytest.UsageError(f"KVP2P_TESTS={MODE!r}: 'pure', 'contract', 'older' or unset")
+    from tests.support import skip_log  # every skip and xfail to $KVP2P_SKIP_LOG, for scripts/check_skips.py
+
+    if not config.pluginmanager.is_registered(skip_log):
+        config.pluginmanager.register(skip_log, "kvp2p-skip-log")
     if MODE != "pure":  # every `vllm serve` this run starts, counted and timed (tests/support/engine_starts.py)
         from tests.support.engine_starts import EngineStartLedger
 
